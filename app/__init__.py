@@ -1,0 +1,1 @@
+"""hsx: hidden-state extraction service."""
