@@ -1,0 +1,116 @@
+"""Request and response bodies of the HTTP API."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+SampleState = Literal["queued", "running", "staged", "succeeded", "failed", "cancelled"]
+
+
+class SampleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: StrictStr | StrictInt | None = Field(None, description="unique within the job; default: the sample's index")
+    input_ids: list[StrictInt] = Field(..., description="prompt token ids, at least one")
+    loss_mask: list[StrictInt] | None = Field(None, description="0/1 per token, same length; default all 1")
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, max_length=200)
+    samples: list[SampleIn] | None = Field(None, description="the samples, inline")
+    input_path: str | None = Field(
+        None, description="a JSONL file (one sample object per line) relative to the service's input root"
+    )
+    layers: list[StrictInt] | None = Field(
+        None, description="captured layers the job requires; the server must capture exactly these"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.samples is None) == (self.input_path is None):
+            raise ValueError("give exactly one of samples or input_path")
+        return self
+
+
+class Counts(BaseModel):
+    total: int
+    queued: int
+    running: int
+    staged: int = Field(description="validated and waiting for their shard to be written")
+    succeeded: int
+    failed: int
+    cancelled: int
+
+
+class Tokens(BaseModel):
+    total: int
+    done: int
+
+
+class JobOut(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    name: str | None
+    state: JobState
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    counts: Counts
+    tokens: Tokens
+    rate_tokens_per_s: float | None
+    eta_s: float | None
+    shards_written: int
+    layers: list[int] | None
+    model: dict | None
+    manifest_url: str
+
+
+class AttemptOut(BaseModel):
+    number: int
+    outcome: str | None
+    reason: str | None
+    started_at: datetime
+    finished_at: datetime | None
+    dump: str | None
+    observed_tokens: int | None
+    boot_id: str | None
+
+
+class SampleOut(BaseModel):
+    id: str
+    index: int
+    state: SampleState
+    expected_tokens: int
+    observed_tokens: int | None
+    attempts: int
+    last_error: str | None
+    shard: str | None
+    offset: int | None
+    attempt_log: list[AttemptOut] | None = None
+
+
+class SamplePage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SampleOut]
+    has_more: bool
+    next_after: str | None = Field(description="pass as ?after= for the next page")
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    database: str
+    writer: dict | None
+
+
+def utc(dt: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    if dt is None or dt.tzinfo is not None:
+        return dt
+    return dt.replace(tzinfo=timezone.utc)

@@ -1,0 +1,231 @@
+"""The dump root: clear it, find our completed dump, move it out, validate it.
+
+Every check in shared "what a reader must check" lives here; anything that fails one is a
+DumpRejected with a short machine-readable code and a human reason, never a stored sample.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from app.storage.safetensors_raw import NAME_BY_CODE, SafetensorsFormatError, TensorSpan, read_index
+
+REQUIRED_META = ("num_tokens", "layers", "hidden_size", "dtype")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class DumpRejected(Exception):
+    def __init__(self, code: str, reason: str):
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class DumpRootBusy(Exception):
+    """Another process already writes through this dump root."""
+
+
+def ids_sha256(input_ids: list[int]) -> str:
+    return hashlib.sha256(np.asarray(input_ids, dtype="<i8").tobytes()).hexdigest()
+
+
+@dataclass
+class Dump:
+    """A validated dump, moved out of the root: its meta and each layer's raw bytes."""
+
+    path: Path
+    meta: dict
+    layers: dict[int, TensorSpan | bytes]
+    key: str | None = None  # the directory name the server wrote, e.g. req_17
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.meta["num_tokens"])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes if isinstance(s, TensorSpan) else len(s) for s in self.layers.values())
+
+
+class DumpRoot:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the file-system half of the single-writer rule: an exclusive lock on the root."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise DumpRootBusy(
+                    f"dump root {self.path} is locked by another process; only one writer may use a dump root"
+                ) from exc
+            raise
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def entries(self) -> list[Path]:
+        try:
+            return [p for p in self.path.iterdir() if p.name.startswith("req_") and p.is_dir()]
+        except FileNotFoundError:
+            return []
+
+    def clear(self) -> None:
+        for p in self.entries():
+            shutil.rmtree(p, ignore_errors=True)
+
+    def completed(self) -> list[Path]:
+        return [p for p in self.entries() if (p / "done").exists()]
+
+    def rid_dir(self, rid: str) -> Path:
+        return self.path / f"req_{rid}"
+
+
+def read_meta(d: Path) -> dict:
+    if not (d / "done").exists():
+        raise DumpRejected("incomplete", f"{d.name} has no done marker")
+    try:
+        meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DumpRejected("bad_meta", f"{d.name}/meta.json unreadable: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise DumpRejected("bad_meta", f"{d.name}/meta.json is not an object")
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        raise DumpRejected("bad_meta", f"{d.name}/meta.json lacks {', '.join(missing)}")
+    return meta
+
+
+def _dump_ids(d: Path) -> list[int] | None:
+    f = d / "input_ids.safetensors"
+    if not f.exists():
+        return None
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            return st.get_tensor("input_ids").to(torch.int64).tolist()
+    except Exception as exc:  # any unreadable file is a rejected dump, whatever the library raised
+        raise DumpRejected("bad_input_ids", f"{d.name}/input_ids.safetensors unreadable: {exc}") from exc
+
+
+def identity_mismatch(d: Path, meta: dict, input_ids: list[int]) -> str | None:
+    """Why this dump is not the one for `input_ids`, or None when it is."""
+    if meta.get("num_tokens") != len(input_ids):
+        return f"num_tokens {meta.get('num_tokens')} != expected {len(input_ids)}"
+    sha = meta.get("input_ids_sha256")
+    if sha is not None and sha != ids_sha256(input_ids):
+        return "input_ids_sha256 differs from the sample's ids"
+    ids = _dump_ids(d)
+    if ids is not None and ids != input_ids:
+        return "input_ids differ from the sample's ids"
+    return None
+
+
+def move_out(d: Path, dest: Path) -> Path:
+    """Take the dump out of the root (a rename on the same file system) so the root is clear."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists():
+        shutil.rmtree(dest)
+    try:
+        os.rename(d, dest)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        shutil.move(str(d), str(dest))
+    return dest
+
+
+def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | bytes]:
+    layers = [int(i) for i in meta["layers"]]
+    st_file = d / "hidden_states.safetensors"
+    if st_file.exists():
+        try:
+            index = read_index(st_file)
+        except SafetensorsFormatError as exc:
+            raise DumpRejected("bad_tensor_file", str(exc)) from exc
+        out: dict[int, TensorSpan | bytes] = {}
+        for i in layers:
+            if f"layer_{i}" not in index:
+                raise DumpRejected("missing_layer", f"layer_{i} is not in hidden_states.safetensors")
+            out[i] = index[f"layer_{i}"]
+        return out
+    # Older writers: one torch.save'd tensor per layer; never unpickle anything but tensors.
+    out = {}
+    for i in layers:
+        f = d / f"layer_{i}.pt"
+        if not f.exists():
+            raise DumpRejected("missing_layer", f"neither hidden_states.safetensors nor layer_{i}.pt exists")
+        try:
+            t = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # truncated or hostile pickle: both are a rejected dump
+            raise DumpRejected("bad_tensor_file", f"layer_{i}.pt unreadable: {exc}") from exc
+        if not isinstance(t, torch.Tensor):
+            raise DumpRejected("bad_tensor_file", f"layer_{i}.pt holds {type(t).__name__}, not a tensor")
+        out[i] = t
+    return out
+
+
+def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
+             expect_hidden: int | None = None, expect_dtype: str | None = None) -> Dump:
+    """Check shapes, dtypes, finiteness and cache use; return the dump with byte sources."""
+    if int(meta.get("cached_tokens") or 0) != 0:
+        raise DumpRejected("cached_tokens", f"{meta['cached_tokens']} prompt tokens came from the prefix cache")
+    n, hidden, dtype = int(meta["num_tokens"]), int(meta["hidden_size"]), str(meta["dtype"])
+    if dtype not in DTYPES:
+        raise DumpRejected("wrong_dtype", f"meta dtype {dtype!r} is not bfloat16, float16 or float32")
+    layers = [int(i) for i in meta["layers"]]
+    if expect_layers is not None and layers != list(expect_layers):
+        raise DumpRejected("wrong_layers", f"dump captured layers {layers}, expected {list(expect_layers)}")
+    if expect_hidden is not None and hidden != expect_hidden:
+        raise DumpRejected("wrong_shape", f"hidden_size {hidden} != {expect_hidden}")
+    if expect_dtype is not None and dtype != expect_dtype:
+        raise DumpRejected("wrong_dtype", f"dtype {dtype} != {expect_dtype}")
+    sources = _layer_sources(d, meta)
+    checked: dict[int, TensorSpan | bytes] = {}
+    for i, src in sources.items():
+        if isinstance(src, TensorSpan):
+            if NAME_BY_CODE.get(src.dtype) != dtype:
+                raise DumpRejected("wrong_dtype", f"layer_{i} is {NAME_BY_CODE.get(src.dtype, src.dtype)}, meta says {dtype}")
+            if src.shape != (n, hidden):
+                raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(src.shape)}, expected [{n}, {hidden}]")
+            try:
+                t = torch.frombuffer(bytearray(src.read()), dtype=DTYPES[dtype])
+            except SafetensorsFormatError as exc:
+                raise DumpRejected("bad_tensor_file", str(exc)) from exc
+            checked[i] = src
+        else:
+            t = src
+            if t.dtype != DTYPES[dtype]:
+                raise DumpRejected("wrong_dtype", f"layer_{i} is {t.dtype}, meta says {dtype}")
+            if tuple(t.shape) != (n, hidden):
+                raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(t.shape)}, expected [{n}, {hidden}]")
+            t = t.contiguous()
+            checked[i] = t.view(torch.uint8).numpy().tobytes()
+        if not bool(torch.isfinite(t).all()):
+            raise DumpRejected("non_finite", f"layer_{i} holds NaN or Inf")
+    return Dump(d, meta, checked)
+
+
+def load_staged(d: Path) -> Dump:
+    """Reopen a dump that was validated and staged earlier (possibly before a restart)."""
+    meta = read_meta(d)
+    return Dump(d, meta, {i: (src if isinstance(src, TensorSpan) else src.contiguous().view(torch.uint8).numpy().tobytes())
+                          for i, src in _layer_sources(d, meta).items()})

@@ -1,0 +1,63 @@
+"""Engine and session factory for SQLite (embedded default) or Postgres, and schema migration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+READONLY = "hsx_readonly"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def make_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        if parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        return create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=10)
+
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 60})
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_conn, _record):
+        # Take transaction control from pysqlite so that BEGIN IMMEDIATE below is what runs:
+        # a deferred transaction that reads then writes can fail with "database is locked"
+        # instead of waiting when another process wrote in between.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _sqlite_begin(conn):
+        # Readers take no write lock, so a long read never holds up the writer.
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READONLY) else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+def session_factory(engine: Engine, *, readonly: bool = False) -> sessionmaker[Session]:
+    bind = engine.execution_options(**{READONLY: True}) if readonly else engine
+    return sessionmaker(bind, expire_on_commit=False)
+
+
+def alembic_config(engine: Engine) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.attributes["engine"] = engine
+    return cfg
+
+
+def upgrade(engine: Engine) -> None:
+    """Bring the database to the newest schema (`alembic upgrade head`)."""
+    command.upgrade(alembic_config(engine), "head")

@@ -1,0 +1,137 @@
+"""SQLAlchemy models: jobs, their samples, each sample's attempts, and written shards.
+
+The schema the service runs on is the one `alembic upgrade head` makes from migrations/;
+tests/test_migrations.py proves it equals these models.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; Postgres wants 64-bit keys for big jobs.
+BigPk = BigInteger().with_variant(Integer(), "sqlite")
+
+JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+SAMPLE_STATES = ("queued", "running", "staged", "succeeded", "failed", "cancelled")
+TERMINAL_SAMPLE_STATES = ("succeeded", "failed", "cancelled")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # What the first sample's dump said about the model: every later sample must agree.
+    model_info: Mapped[dict | None] = mapped_column(JSON)
+    # Captured layers the job asks for; NULL takes whatever the server captures.
+    layers: Mapped[list | None] = mapped_column(JSON)
+    num_samples: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_total: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_done: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Per-state counters kept in step with every sample transition, so progress never counts rows.
+    n_queued: Mapped[int] = mapped_column(Integer, default=0)
+    n_running: Mapped[int] = mapped_column(Integer, default=0)
+    n_staged: Mapped[int] = mapped_column(Integer, default=0)
+    n_succeeded: Mapped[int] = mapped_column(Integer, default=0)
+    n_failed: Mapped[int] = mapped_column(Integer, default=0)
+    n_cancelled: Mapped[int] = mapped_column(Integer, default=0)
+    shards_written: Mapped[int] = mapped_column(Integer, default=0)
+
+    __table_args__ = (Index("ix_jobs_state", "state"),)
+
+
+class Sample(Base):
+    __tablename__ = "samples"
+
+    pk: Mapped[int] = mapped_column(BigPk, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    idx: Mapped[int] = mapped_column(Integer)
+    sample_id: Mapped[str] = mapped_column(String(200))
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    # Token ids as little-endian int32 bytes; loss mask as one byte per token (NULL: all ones).
+    input_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    observed_tokens: Mapped[int | None] = mapped_column(Integer)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    # The dump root (host:path) whose single writer holds this sample while running or staged.
+    writer: Mapped[str | None] = mapped_column(String(500))
+    staged_path: Mapped[str | None] = mapped_column(Text)
+    shard: Mapped[str | None] = mapped_column(String(200))
+    shard_offset: Mapped[int | None] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "sample_id", name="uq_samples_job_sample"),
+        UniqueConstraint("job_id", "idx", name="uq_samples_job_idx"),
+        Index("ix_samples_claim", "state", "job_id", "idx"),
+        Index("ix_samples_job_state_idx", "job_id", "state", "idx"),
+        Index("ix_samples_writer_state", "writer", "state"),
+        # The database's half of the single-writer rule: one running sample per dump root.
+        Index(
+            "ux_samples_one_running_per_writer",
+            "writer",
+            unique=True,
+            sqlite_where=text("state = 'running'"),
+            postgresql_where=text("state = 'running'"),
+        ),
+    )
+
+
+class Attempt(Base):
+    __tablename__ = "attempts"
+
+    pk: Mapped[int] = mapped_column(BigPk, primary_key=True, autoincrement=True)
+    sample_pk: Mapped[int] = mapped_column(ForeignKey("samples.pk", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    writer: Mapped[str] = mapped_column(String(500))
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # ok | retry | failed | interrupted; reason says why for anything but ok.
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    dump_key: Mapped[str | None] = mapped_column(String(300))
+    observed_tokens: Mapped[int | None] = mapped_column(Integer)
+    boot_id: Mapped[str | None] = mapped_column(String(100))
+
+    __table_args__ = (UniqueConstraint("sample_pk", "number", name="uq_attempts_sample_number"),)
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+
+    pk: Mapped[int] = mapped_column(BigPk, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(200))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    num_samples: Mapped[int] = mapped_column(Integer)
+    num_tokens: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (UniqueConstraint("job_id", "name", name="uq_shards_job_name"),)

@@ -1,0 +1,311 @@
+"""Every database query the service makes, and the one place sample and job states change.
+
+A sample's life: queued -> running -> staged -> succeeded, or back to queued for a retry,
+or failed / cancelled. Each move is a conditional UPDATE on the source state, and the job's
+per-state counters move in the same transaction, so progress never needs to count rows.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from sqlalchemy import case, exists, func, select, update
+from sqlalchemy.orm import Session, aliased
+
+from app.db.models import Attempt, Job, Sample, Shard
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_job_id() -> str:
+    # Time-ordered so that ids sort by creation: cursor pagination and claim order rely on it.
+    return f"job_{int(time.time() * 1000):012x}{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class NewSample:
+    sample_id: str
+    input_ids: bytes  # little-endian int32
+    loss_mask: bytes | None  # one byte per token; None means all ones
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Claimed:
+    sample_pk: int
+    job_id: str
+    idx: int
+    sample_id: str
+    input_ids: bytes
+    loss_mask: bytes | None
+    num_tokens: int
+    attempt: int
+    attempt_pk: int
+    job_layers: list[int] | None
+    job_model_info: dict | None
+
+
+# --- jobs -------------------------------------------------------------------------------
+
+
+def create_job(session: Session, *, name: str | None, layers: list[int] | None, samples: list[NewSample]) -> Job:
+    """Insert a job and all its samples, queued, in the caller's transaction."""
+    now = utcnow()
+    job = Job(
+        id=new_job_id(), name=name, state="queued", created_at=now, layers=layers,
+        num_samples=len(samples), tokens_total=sum(s.num_tokens for s in samples), tokens_done=0,
+        n_queued=len(samples), n_running=0, n_staged=0, n_succeeded=0, n_failed=0, n_cancelled=0,
+        shards_written=0,
+    )
+    session.add(job)
+    session.flush()
+    rows = [
+        {"job_id": job.id, "idx": i, "sample_id": s.sample_id, "state": "queued", "input_ids": s.input_ids,
+         "loss_mask": s.loss_mask, "num_tokens": s.num_tokens, "attempts": 0, "updated_at": now}
+        for i, s in enumerate(samples)
+    ]
+    for start in range(0, len(rows), 5000):
+        session.execute(Sample.__table__.insert(), rows[start:start + 5000])
+    return job
+
+
+def get_job(session: Session, job_id: str) -> Job | None:
+    return session.get(Job, job_id)
+
+
+def set_job_model_info(session: Session, job_id: str, info: dict) -> dict:
+    """Record the model the job's first dump came from; return what is recorded."""
+    session.execute(update(Job).where(Job.id == job_id, Job.model_info.is_(None)).values(model_info=info))
+    return session.execute(select(Job.model_info).where(Job.id == job_id)).scalar_one()
+
+
+def finish_job_if_done(session: Session, job_id: str) -> bool:
+    """Move a job to its terminal state once no sample is queued, running or staged."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state.in_(("queued", "running")),
+               Job.n_queued == 0, Job.n_running == 0, Job.n_staged == 0)
+        .values(
+            state=case((Job.n_failed > 0, "failed"), (Job.n_succeeded == 0, "cancelled"), else_="succeeded"),
+            finished_at=utcnow(),
+        )
+    )
+    return result.rowcount == 1
+
+
+def fail_job(session: Session, job_id: str, reason: str) -> None:
+    """A job that cannot run at all (e.g. server settings that break dumps): fail what is queued."""
+    now = utcnow()
+    session.execute(update(Job).where(Job.id == job_id).values(error=reason))
+    pks = session.execute(select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "queued")).scalars().all()
+    _transition(session, job_id, list(pks), "queued", "failed", {"last_error": reason})
+    session.execute(
+        update(Job).where(Job.id == job_id, Job.n_running == 0, Job.n_staged == 0,
+                          Job.state.in_(("queued", "running"))).values(state="failed", finished_at=now)
+    )
+
+
+# --- sample transitions -------------------------------------------------------------------
+
+
+def _transition(session: Session, job_id: str, pks: list[int], src: str, dst: str, values: dict,
+                tokens_done: int = 0) -> int:
+    if not pks:
+        return 0
+    rc = session.execute(
+        update(Sample).where(Sample.pk.in_(pks), Sample.state == src)
+        .values(state=dst, updated_at=utcnow(), **values)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if rc:
+        src_col, dst_col = getattr(Job, f"n_{src}"), getattr(Job, f"n_{dst}")
+        session.execute(
+            update(Job).where(Job.id == job_id)
+            .values({src_col: src_col - rc, dst_col: dst_col + rc, Job.tokens_done: Job.tokens_done + tokens_done})
+        )
+    return rc
+
+
+def claim_next(session: Session, writer: str) -> Claimed | None:
+    """Take the oldest queued sample for `writer`, unless that writer already runs one.
+
+    One conditional UPDATE does it, correct on SQLite (writers are serialised) and on
+    Postgres (SKIP LOCKED lets several writers claim different rows at once); the partial
+    unique index on running samples per writer is the backstop.
+    """
+    pick = select(Sample.pk).where(Sample.state == "queued").order_by(Sample.job_id, Sample.idx).limit(1)
+    if session.get_bind().dialect.name == "postgresql":
+        pick = pick.with_for_update(skip_locked=True)
+    other = aliased(Sample)
+    busy = exists().where(other.state == "running", other.writer == writer)
+    row = session.execute(
+        update(Sample)
+        .where(Sample.pk == pick.scalar_subquery(), Sample.state == "queued", ~busy)
+        .values(state="running", writer=writer, attempts=Sample.attempts + 1, updated_at=utcnow())
+        .returning(Sample.pk, Sample.job_id, Sample.idx, Sample.sample_id, Sample.input_ids, Sample.loss_mask,
+                   Sample.num_tokens, Sample.attempts)
+        .execution_options(synchronize_session=False)
+    ).first()
+    if row is None:
+        return None
+    now = utcnow()
+    session.execute(
+        update(Job).where(Job.id == row.job_id)
+        .values(n_queued=Job.n_queued - 1, n_running=Job.n_running + 1)
+    )
+    session.execute(
+        update(Job).where(Job.id == row.job_id, Job.state == "queued").values(state="running", started_at=now)
+    )
+    attempt = Attempt(sample_pk=row.pk, number=row.attempts, writer=writer, started_at=now)
+    session.add(attempt)
+    session.flush()
+    job = session.execute(select(Job.layers, Job.model_info).where(Job.id == row.job_id)).one()
+    return Claimed(row.pk, row.job_id, row.idx, row.sample_id, row.input_ids, row.loss_mask, row.num_tokens,
+                   row.attempts, attempt.pk, job.layers, job.model_info)
+
+
+def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str | None = None, **fields) -> None:
+    session.execute(
+        update(Attempt).where(Attempt.pk == attempt_pk)
+        .values(outcome=outcome, reason=reason, finished_at=utcnow(), **fields)
+    )
+
+
+def mark_staged(session: Session, c: Claimed, *, staged_path: str, observed_tokens: int, dump_key: str,
+                boot_id: str | None) -> bool:
+    _close_attempt(session, c.attempt_pk, "ok", dump_key=dump_key, observed_tokens=observed_tokens, boot_id=boot_id)
+    return _transition(session, c.job_id, [c.sample_pk], "running", "staged",
+                       {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None}) == 1
+
+
+def record_failed_attempt(session: Session, c: Claimed, *, reason: str, max_attempts: int,
+                          observed_tokens: int | None = None, dump_key: str | None = None,
+                          boot_id: str | None = None) -> str:
+    """Close a failed attempt; queue the sample again, or fail it once its budget is spent."""
+    final = c.attempt >= max_attempts
+    _close_attempt(session, c.attempt_pk, "failed" if final else "retry", reason,
+                   observed_tokens=observed_tokens, dump_key=dump_key, boot_id=boot_id)
+    dst = "failed" if final else "queued"
+    values = {"last_error": reason, "observed_tokens": observed_tokens}
+    if not final:
+        values["writer"] = None
+    _transition(session, c.job_id, [c.sample_pk], "running", dst, values)
+    return dst
+
+
+def release_interrupted(session: Session, c: Claimed, *, reason: str) -> None:
+    """Give the sample back without spending an attempt: the server, not the sample, failed."""
+    _close_attempt(session, c.attempt_pk, "interrupted", reason)
+    _transition(session, c.job_id, [c.sample_pk], "running", "queued",
+                {"writer": None, "attempts": Sample.attempts - 1, "last_error": reason})
+
+
+def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, int]:
+    """At writer start: its running samples were interrupted by a crash; staged ones keep their
+    place only if their staged files survived. Returns (requeued, kept staged)."""
+    requeued = kept = 0
+    running = session.execute(
+        select(Sample.pk, Sample.job_id).where(Sample.writer == writer, Sample.state == "running")
+    ).all()
+    for pk, job_id in running:
+        session.execute(
+            update(Attempt).where(Attempt.sample_pk == pk, Attempt.outcome.is_(None))
+            .values(outcome="interrupted", reason="service stopped during the attempt", finished_at=utcnow())
+        )
+        requeued += _transition(session, job_id, [pk], "running", "queued",
+                                {"writer": None, "attempts": Sample.attempts - 1})
+    staged = session.execute(
+        select(Sample.pk, Sample.job_id, Sample.staged_path).where(Sample.writer == writer, Sample.state == "staged")
+    ).all()
+    for pk, job_id, path in staged:
+        if path and staged_exists(path):
+            kept += 1
+        else:
+            requeued += _transition(session, job_id, [pk], "staged", "queued",
+                                    {"writer": None, "staged_path": None, "attempts": Sample.attempts - 1,
+                                     "last_error": "staged dump was lost before its shard was written"})
+    return requeued, kept
+
+
+def staged_samples(session: Session, writer: str) -> list[Sample]:
+    return list(session.execute(
+        select(Sample).where(Sample.writer == writer, Sample.state == "staged").order_by(Sample.job_id, Sample.idx)
+    ).scalars())
+
+
+def requeue_staged(session: Session, job_id: str, pks: list[int], reason: str) -> None:
+    _transition(session, job_id, pks, "staged", "queued", {"writer": None, "staged_path": None, "last_error": reason})
+
+
+def reserve_shard_number(session: Session, job_id: str) -> int:
+    return session.execute(
+        update(Job).where(Job.id == job_id).values(shards_written=Job.shards_written + 1).returning(Job.shards_written)
+    ).scalar_one() - 1
+
+
+def commit_shard(session: Session, job_id: str, *, name: str, nbytes: int, sha256: str,
+                 placed: list[tuple[int, int, int]]) -> None:
+    """Record a written shard and mark its samples succeeded. `placed`: (pk, offset, tokens)."""
+    session.add(Shard(job_id=job_id, name=name, bytes=nbytes, sha256=sha256, num_samples=len(placed),
+                      num_tokens=sum(t for _, _, t in placed), created_at=utcnow()))
+    for pk, offset, tokens in placed:
+        moved = _transition(session, job_id, [pk], "staged", "succeeded",
+                            {"shard": name, "shard_offset": offset, "staged_path": None}, tokens_done=tokens)
+        if moved != 1:
+            raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
+
+
+# --- reads for the API ----------------------------------------------------------------------
+
+
+def list_samples(session: Session, job_id: str, *, state: str | None, after_idx: int | None, limit: int) -> list[Sample]:
+    q = select(Sample).where(Sample.job_id == job_id)
+    if state:
+        q = q.where(Sample.state == state)
+    if after_idx is not None:
+        q = q.where(Sample.idx > after_idx)
+    return list(session.execute(q.order_by(Sample.idx).limit(limit)).scalars())
+
+
+def get_sample(session: Session, job_id: str, sample_id: str) -> Sample | None:
+    return session.execute(
+        select(Sample).where(Sample.job_id == job_id, Sample.sample_id == sample_id)
+    ).scalar_one_or_none()
+
+
+def sample_attempts(session: Session, sample_pk: int) -> list[Attempt]:
+    return list(session.execute(
+        select(Attempt).where(Attempt.sample_pk == sample_pk).order_by(Attempt.number, Attempt.pk)
+    ).scalars())
+
+
+def job_shards(session: Session, job_id: str) -> list[Shard]:
+    return list(session.execute(select(Shard).where(Shard.job_id == job_id).order_by(Shard.name)).scalars())
+
+
+def get_shard(session: Session, job_id: str, name: str) -> Shard | None:
+    return session.execute(select(Shard).where(Shard.job_id == job_id, Shard.name == name)).scalar_one_or_none()
+
+
+def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
+    """(sample_id, shard, offset, num_tokens) of every stored sample, in job order, in batches."""
+    last = -1
+    while True:
+        rows = session.execute(
+            select(Sample.idx, Sample.sample_id, Sample.shard, Sample.shard_offset, Sample.num_tokens)
+            .where(Sample.job_id == job_id, Sample.state == "succeeded", Sample.idx > last)
+            .order_by(Sample.idx).limit(batch)
+        ).all()
+        if not rows:
+            return
+        yield from rows
+        last = rows[-1].idx
+
+
+def count_samples(session: Session) -> int:
+    return session.execute(select(func.count()).select_from(Sample)).scalar_one()

@@ -1,0 +1,18 @@
+"""`python -m app.reference ...`: the same as `hsx reference-server ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.reference import cli
+
+
+def _main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.reference", description=cli.DESCRIPTION)
+    cli.add_arguments(parser)
+    return cli.main(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

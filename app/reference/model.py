@@ -1,0 +1,119 @@
+"""Load the causal LM and run one sequence: prefill hidden states plus a greedy decode."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+EMBEDDED_MODEL_PATH = "hsx-embedded-tiny-llama"
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def embedded_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+
+
+def _embedded_model(dtype: str) -> PreTrainedModel:
+    # fork_rng keeps the fixed seed from leaking into the caller's random state.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(embedded_config())
+    # The weights are defined as their bf16 values, so every --dtype serves the same model.
+    model = model.to(torch.bfloat16)
+    if dtype != "auto":
+        model = model.to(DTYPES[dtype])
+    return model
+
+
+def load_model(path: str | None, dtype: str = "auto") -> tuple[PreTrainedModel, str]:
+    """The model in eval mode and the path to report; `path=None` means the embedded tiny Llama."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto or one of {sorted(DTYPES)}")
+    if path is None:
+        return _embedded_model(dtype).eval(), EMBEDDED_MODEL_PATH
+    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+    # transformers renamed torch_dtype to dtype in 4.56; older releases silently ignore `dtype`.
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **{key: torch_dtype})
+    return model.eval(), str(path)
+
+
+def default_capture_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's aux layers plus the post-norm last layer, in HF hidden_states numbering."""
+    wanted = (2, num_layers // 2, num_layers - 3, num_layers)
+    return sorted({i for i in wanted if 0 <= i <= num_layers})
+
+
+@dataclass
+class ForwardResult:
+    hidden_states: dict[int, torch.Tensor]  # captured layer -> [T, hidden] in the model dtype
+    final_hidden: torch.Tensor  # post-norm last layer [T, hidden], for return_hidden_states
+    output_ids: list[int]
+
+
+class ModelRunner:
+    """Runs one sequence at a time (batch 1, no padding), so a prefill equals a plain HF forward bit for bit."""
+
+    def __init__(self, model: PreTrainedModel, model_path: str, layers: list[int]):
+        self.model = model
+        self.model_path = model_path
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.num_hidden_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 4096))
+        self.dtype = model.dtype
+        self.dtype_name = dtype_name(model.dtype)
+        bad = [i for i in layers if not 0 <= i <= self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"layers {bad} out of range 0..{self.num_hidden_layers}")
+        self.layers = sorted(set(layers))
+        # Only the last position's logits feed the decode; a [T, vocab] tensor is waste on long prompts.
+        self._logits_kwargs = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        )
+
+    def run(self, input_ids: list[int], max_new_tokens: int) -> ForwardResult:
+        with torch.inference_mode():
+            ids = torch.tensor([input_ids], dtype=torch.long)
+            out = self.model(input_ids=ids, output_hidden_states=True, **self._logits_kwargs)
+            hidden = {i: out.hidden_states[i][0].contiguous() for i in self.layers}
+            final = out.hidden_states[self.num_hidden_layers][0]
+            output_ids = self._greedy_decode(out, max_new_tokens)
+        return ForwardResult(hidden_states=hidden, final_hidden=final, output_ids=output_ids)
+
+    def _greedy_decode(self, prefill_out, max_new_tokens: int) -> list[int]:
+        output_ids: list[int] = []
+        out = prefill_out
+        while len(output_ids) < max_new_tokens:
+            next_id = int(out.logits[0, -1].argmax())
+            output_ids.append(next_id)
+            if len(output_ids) == max_new_tokens:
+                break
+            out = self.model(
+                input_ids=torch.tensor([[next_id]], dtype=torch.long),
+                past_key_values=out.past_key_values,
+                **self._logits_kwargs,
+            )
+        return output_ids

@@ -1,0 +1,342 @@
+"""SGLang-compatible HTTP API over the reference model; every forward request writes one dump."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from app.reference.dumper import DumpWriter
+from app.reference.model import ForwardResult, ModelRunner
+
+DUMP_PROTOCOL = 1
+DEFAULT_MAX_NEW_TOKENS = 16  # SGLang's default
+# SGLang's warm-up prompt ("The capital city of France is") in Llama-2 token ids.
+WARMUP_INPUT_IDS = [1, 450, 7483, 4272, 310, 3444, 338]
+WARMUP_MAX_NEW_TOKENS = 8
+READY_MESSAGE = "The server is fired up and ready to roll!"
+SAFE_RID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+
+
+def log(message: str) -> None:
+    print(f"[hsx-ref] {message}", flush=True)
+
+
+class BadRequest(Exception):
+    """A client error, answered as SGLang does: 400 with {"error": {"message": ...}}."""
+
+
+@dataclass
+class ServerSettings:
+    dump_root: Path  # absolute
+    name_by: str  # "counter" or "rid"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    skip_server_warmup: bool = False
+    enable_return_hidden_states: bool = False
+
+
+@dataclass
+class GenerateRequest:
+    sequences: list[list[int]]
+    rids: list[str]
+    is_batch: bool
+    max_new_tokens: int
+    return_hidden_states: bool
+
+
+class Engine:
+    """Serialises forwards under one lock so counter values, forwards and dumps happen in one order."""
+
+    def __init__(self, runner: ModelRunner, writer: DumpWriter, name_by: str):
+        self.runner = runner
+        self.writer = writer
+        self.name_by = name_by
+        self.counter = 0
+        self._forward_lock = threading.Lock()
+        self._rids_lock = threading.Lock()
+        self._in_flight: set[str] = set()
+
+    @contextmanager
+    def claim_rids(self, rids: list[str]) -> Iterator[None]:
+        """Reserve the rids for one request; a rid already in flight would share its dump directory."""
+        with self._rids_lock:
+            busy = [rid for rid in rids if rid in self._in_flight]
+            if busy:
+                raise BadRequest(f"duplicate request id(s) already in flight: {busy}")
+            self._in_flight.update(rids)
+        try:
+            yield
+        finally:
+            with self._rids_lock:
+                self._in_flight.difference_update(rids)
+
+    def forward(self, input_ids: list[int], max_new_tokens: int, rid: str) -> ForwardResult:
+        with self._forward_lock:
+            counter = self.counter
+            self.counter += 1
+            started = time.monotonic()
+            result = self.runner.run(input_ids, max_new_tokens)
+            key = rid if self.name_by == "rid" else str(counter)
+            self.writer.write(
+                key, rid=rid, counter=counter, input_ids=input_ids, hidden_states=result.hidden_states
+            )
+        log(
+            f"req_{key} counter={counter} rid={rid} prompt={len(input_ids)} "
+            f"new={len(result.output_ids)} {1000 * (time.monotonic() - started):.0f}ms"
+        )
+        return result
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_ids(ids: Any, where: str, vocab_size: int, max_len: int) -> list[int]:
+    if not isinstance(ids, list):
+        raise BadRequest(f"{where} must be a list of token ids")
+    if not ids:
+        raise BadRequest(f"{where} is empty; send at least one token id")
+    if len(ids) > max_len:
+        raise BadRequest(f"{where} has {len(ids)} tokens, longer than max_req_input_len {max_len}")
+    for token in ids:
+        if not _is_int(token):
+            raise BadRequest(f"{where} holds {token!r}; token ids must be integers")
+        if not 0 <= token < vocab_size:
+            raise BadRequest(f"{where} holds token id {token}, outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def parse_generate(body: Any, runner: ModelRunner, name_by: str) -> GenerateRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    for field in ("text", "input_embeds"):
+        if body.get(field) is not None:
+            raise BadRequest(f"{field} is not supported by the reference server; send input_ids")
+    raw = body.get("input_ids")
+    if raw is None:
+        raise BadRequest("input_ids is required")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("input_ids is empty; send a list of token ids or a list of such lists")
+    is_batch = isinstance(raw[0], list)
+    seqs = raw if is_batch else [raw]
+    max_len = runner.max_position_embeddings
+    sequences = [
+        _check_ids(ids, f"input_ids[{n}]" if is_batch else "input_ids", runner.vocab_size, max_len)
+        for n, ids in enumerate(seqs)
+    ]
+
+    rid = body.get("rid")
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in sequences]
+    elif is_batch:
+        if not isinstance(rid, list):
+            raise BadRequest("rid must be a list with one id per sequence for a batch")
+        if len(rid) != len(sequences):
+            raise BadRequest(f"rid has {len(rid)} entries for {len(sequences)} sequences")
+        rids = rid
+    else:
+        if not isinstance(rid, str):
+            raise BadRequest("rid must be a string for a single sequence")
+        rids = [rid]
+    if not all(isinstance(r, str) for r in rids):
+        raise BadRequest("every rid must be a string")
+    if len(set(rids)) != len(rids):
+        raise BadRequest("duplicate rid within one request")
+    if name_by == "rid":
+        unsafe = [r for r in rids if not SAFE_RID.fullmatch(r)]
+        if unsafe:
+            raise BadRequest(
+                f"rid {unsafe[0]!r} cannot name a dump directory: use 1-200 of [A-Za-z0-9._-], not starting with '.'"
+            )
+
+    sampling = body.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise BadRequest("sampling_params must be an object")
+    max_new_tokens = sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if max_new_tokens is None:
+        max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise BadRequest(f"sampling_params.max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    return_hidden_states = body.get("return_hidden_states", False)
+    if not isinstance(return_hidden_states, bool):
+        raise BadRequest("return_hidden_states must be a boolean")
+    return GenerateRequest(sequences, rids, is_batch, max_new_tokens, return_hidden_states)
+
+
+def _reply(rid: str, prompt: list[int], result: ForwardResult, hidden: bool) -> dict:
+    n = len(result.output_ids)
+    meta = {
+        "id": rid,
+        "prompt_tokens": len(prompt),
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "finish_reason": {"type": "length", "length": n},
+    }
+    if hidden:
+        meta["hidden_states"] = result.final_hidden.float().tolist()
+    return {"text": "", "output_ids": result.output_ids, "meta_info": meta}
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def create_app(engine: Engine, settings: ServerSettings, ready: threading.Event) -> FastAPI:
+    runner = engine.runner
+    app = FastAPI(title="hsx reference server")
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(400, str(exc))
+
+    def generate_sync(body: Any) -> Any:
+        req = parse_generate(body, runner, settings.name_by)
+        hidden = req.return_hidden_states and settings.enable_return_hidden_states
+        with engine.claim_rids(req.rids):
+            replies = []
+            for rid, ids in zip(req.rids, req.sequences):
+                # Decoding stops at the context length, as in SGLang.
+                n = min(req.max_new_tokens, runner.max_position_embeddings - len(ids))
+                replies.append(_reply(rid, ids, engine.forward(ids, n, rid), hidden))
+        return replies if req.is_batch else replies[0]
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the request body is not valid JSON")
+        return await run_in_threadpool(generate_sync, body)
+
+    def health_sync() -> Response:
+        if not ready.is_set():
+            return Response(status_code=503)
+        # Like SGLang, a health probe is a real forward, so it consumes a counter value and writes a dump.
+        engine.forward([0], 1, f"HEALTH_CHECK_{time.time()}")
+        return Response(status_code=200)
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return await run_in_threadpool(health_sync)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict:
+        return {
+            "model_path": runner.model_path,
+            "is_generation": True,
+            "vocab_size": runner.vocab_size,
+            "num_hidden_layers": runner.num_hidden_layers,
+            "hidden_size": runner.hidden_size,
+            "dtype": runner.dtype_name,
+            "max_position_embeddings": runner.max_position_embeddings,
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        return {
+            "model_path": runner.model_path,
+            "disable_radix_cache": True,
+            "chunked_prefill_size": -1,
+            "max_req_input_len": runner.max_position_embeddings,
+            "enable_return_hidden_states": settings.enable_return_hidden_states,
+            "skip_server_warmup": settings.skip_server_warmup,
+            "hs_dump": {
+                "protocol": DUMP_PROTOCOL,
+                "dump_root": str(settings.dump_root),
+                "name_by": settings.name_by,
+                "layers": runner.layers,
+                "boot_id": engine.writer.boot_id,
+                "dtype": runner.dtype_name,
+            },
+        }
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        return PlainTextResponse("Cache flushed (the reference server has no cache).")
+
+    return app
+
+
+def _loopback_url(host: str, port: int) -> str:
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _warm_up(server: uvicorn.Server, base_url: str, vocab_size: int, ready: threading.Event,
+             failed: threading.Event) -> None:
+    """SGLang's warm-up: once serving, poll our own /get_model_info, then send one /generate."""
+    try:
+        while not server.started:
+            if server.should_exit:
+                return
+            time.sleep(0.05)
+        # trust_env=False: a proxy from the environment must not intercept loopback calls.
+        with httpx.Client(base_url=base_url, timeout=600.0, trust_env=False) as client:
+            deadline = time.monotonic() + 60
+            while client.get("/get_model_info").status_code != 200:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("/get_model_info did not answer 200")
+                time.sleep(0.1)
+            body = {
+                "input_ids": [t % vocab_size for t in WARMUP_INPUT_IDS],
+                "sampling_params": {"max_new_tokens": WARMUP_MAX_NEW_TOKENS},
+            }
+            response = client.post("/generate", json=body)
+            response.raise_for_status()
+    except (httpx.HTTPError, RuntimeError) as exc:
+        # The server cannot serve its own warm-up, so it is unusable: stop it, as SGLang does.
+        log(f"warm-up failed: {exc!r}")
+        failed.set()
+        server.should_exit = True
+        return
+    ready.set()
+    log(READY_MESSAGE)
+
+
+def run_server(engine: Engine, settings: ServerSettings) -> int:
+    """Serve until SIGTERM/SIGINT (uvicorn handles both); 1 when the warm-up failed."""
+    ready = threading.Event()
+    failed = threading.Event()
+    app = create_app(engine, settings, ready)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    base_url = _loopback_url(settings.host, settings.port)
+    if settings.skip_server_warmup:
+        ready.set()
+        log(f"{READY_MESSAGE} (warm-up skipped)")
+    else:
+        threading.Thread(
+            target=_warm_up, args=(server, base_url, engine.runner.vocab_size, ready, failed),
+            name="warm-up", daemon=True,
+        ).start()
+    log(f"starting the HTTP server on {base_url}")
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would kill the process
+    # (or raise KeyboardInterrupt) before main() returns; these handlers absorb that re-raise.
+    previous = {sig: signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log("shut down")
+    return 1 if failed.is_set() else 0

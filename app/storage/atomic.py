@@ -1,0 +1,41 @@
+"""Files appear whole or not at all: temp name in the same folder, fsync, rename, fsync folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_writer(path: Path) -> Iterator[BinaryIO]:
+    """Yield a file to write; on success it replaces `path` whole, on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    with atomic_writer(path) as f:
+        f.write(json.dumps(obj, indent=1).encode())
+        f.write(b"\n")

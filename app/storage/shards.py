@@ -1,0 +1,114 @@
+"""Shard files: many samples concatenated along the token axis in one safetensors file.
+
+Layout (any safetensors reader can open it): `input_ids` int64 [T], `loss_mask` int64 [T] and
+`layer_<i>` [T, hidden] per captured layer, where T is the sum of the samples' token counts.
+Sample k occupies rows offset_k .. offset_k + num_tokens_k of every tensor; the manifest
+(and the shard's own `__metadata__`) lists the offsets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from app.storage.atomic import atomic_writer
+from app.storage.safetensors_raw import CODE_BY_NAME, TensorSpan, encode_header
+
+SHARD_FORMAT = "hsx-shard/1"
+COPY_CHUNK = 8 * 1024 * 1024
+
+
+@dataclass
+class ShardSample:
+    """One validated sample on its way into a shard: ids, mask and each layer's raw bytes."""
+
+    sample_id: str
+    input_ids: np.ndarray  # int64 [T]
+    loss_mask: np.ndarray  # int64 [T]
+    layers: dict[int, TensorSpan | bytes] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    bytes: int
+    sha256: str
+    num_samples: int
+    num_tokens: int
+    offsets: list[int]
+
+
+def shard_name(number: int) -> str:
+    return f"shard-{number:06d}.safetensors"
+
+
+class _HashingWriter:
+    def __init__(self, f: BinaryIO):
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.count = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.count += len(data)
+
+
+def _copy_span(span: TensorSpan, out: _HashingWriter, handles: dict[Path, BinaryIO]) -> None:
+    f = handles.get(span.path)
+    if f is None:
+        f = handles[span.path] = open(span.path, "rb")
+    f.seek(span.start)
+    left = span.nbytes
+    while left:
+        chunk = f.read(min(COPY_CHUNK, left))
+        if not chunk:
+            raise OSError(f"{span.path}: ended before its tensor did")
+        out.write(chunk)
+        left -= len(chunk)
+
+
+def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int) -> ShardInfo:
+    """Write `samples` as one shard at `path`, atomically; return what the manifest records."""
+    if not samples:
+        raise ValueError("a shard needs at least one sample")
+    code = CODE_BY_NAME[dtype]
+    offsets, total = [], 0
+    for s in samples:
+        offsets.append(total)
+        total += s.num_tokens
+    entries = [("input_ids", "I64", (total,)), ("loss_mask", "I64", (total,))]
+    entries += [(f"layer_{i}", code, (total, hidden_size)) for i in layers]
+    metadata = {
+        "format": SHARD_FORMAT,
+        "sample_ids": json.dumps([s.sample_id for s in samples]),
+        "offsets": json.dumps(offsets),
+    }
+    handles: dict[Path, BinaryIO] = {}
+    try:
+        with atomic_writer(path) as f:
+            out = _HashingWriter(f)
+            out.write(encode_header(entries, metadata))
+            out.write(np.concatenate([s.input_ids for s in samples]).astype("<i8").tobytes())
+            out.write(np.concatenate([s.loss_mask for s in samples]).astype("<i8").tobytes())
+            for layer in layers:
+                for s in samples:
+                    src = s.layers[layer]
+                    if isinstance(src, TensorSpan):
+                        _copy_span(src, out, handles)
+                    else:
+                        out.write(src)
+            size, digest = out.count, out.sha.hexdigest()
+    finally:
+        for h in handles.values():
+            h.close()
+    return ShardInfo(path.name, size, digest, len(samples), total, offsets)

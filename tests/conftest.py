@@ -1,0 +1,59 @@
+"""Shared fixtures: databases (SQLite file and the machine's real Postgres) and a tiny checkpoint."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import psycopg
+import pytest
+
+from tests.support.stack import Recompute, make_checkpoint
+
+PG_ADMIN = os.environ.get("HSX_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _pg_available() -> bool:
+    try:
+        with psycopg.connect(PG_ADMIN, connect_timeout=3):
+            return True
+    except psycopg.Error:
+        return False
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    if not _pg_available():
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN}")
+        pytest.skip(f"PostgreSQL is not reachable at {PG_ADMIN}")
+    return PG_ADMIN
+
+
+@pytest.fixture
+def postgres_url(postgres_server):
+    """A fresh, empty database on the real server for one test, dropped afterwards."""
+    name = f"hsx_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_server, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    host_part = postgres_server.rsplit("/", 1)[0]
+    yield f"{host_part}/{name}".replace("postgresql://", "postgresql+psycopg://", 1)
+    with psycopg.connect(postgres_server, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'hsx.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+@pytest.fixture(scope="session")
+def recompute(checkpoint):
+    return Recompute(checkpoint)

@@ -1,0 +1,69 @@
+"""Start real subprocesses (servers on loopback) for tests and wait until they answer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hsx_command() -> list[str]:
+    """The installed `hsx` console script, or the module when it is not on PATH."""
+    exe = shutil.which("hsx", path=str(Path(sys.executable).parent)) or shutil.which("hsx")
+    return [exe] if exe else [sys.executable, "-m", "app.cli"]
+
+
+class Process:
+    """A child process whose output goes to a log file, stopped on exit."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_http(self, url: str, timeout: float = 90.0, ok=lambda r: r.status_code == 200) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.args[:3]} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if ok(httpx.get(url, timeout=2.0)):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{url} not ready after {timeout}s:\n{self.log()[-4000:]}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
