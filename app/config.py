@@ -18,8 +18,8 @@ class Settings(BaseSettings):
         description="where validated dumps wait for their shard; must be on the dump root's file system "
         "(default: a sibling of the dump root named <dump_root>.hsx-staging)",
     )
-    output_root: Path = Field(Path("hsx-data/output"), description="shards and manifests go under <output_root>/<job id>/")
-    input_root: Path = Field(Path("hsx-data/input"), description="server-side JSONL inputs are read from under here only")
+    output_root: Path = Field(Path("hsx-data/output"), description="shards, manifest: <output_root>/<job id>/")
+    input_root: Path = Field(Path("hsx-data/input"), description="server-side JSONL inputs are read from here only")
     database_url: str = Field("sqlite:///hsx-data/hsx.db", description="SQLAlchemy URL (SQLite file or Postgres)")
     host: str = "127.0.0.1"
     port: int = 8000

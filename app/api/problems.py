@@ -72,7 +72,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         phrase = HTTPStatus(exc.status_code).phrase
-        return problem_response(exc.status_code, phrase, str(exc.detail), f"/problems/{phrase.lower().replace(' ', '-')}")
+        slug = phrase.lower().replace(" ", "-")
+        return problem_response(exc.status_code, phrase, str(exc.detail), f"/problems/{slug}")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -183,6 +183,10 @@ def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | bytes]:
     return out
 
 
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
              expect_hidden: int | None = None, expect_dtype: str | None = None) -> Dump:
     """Check shapes, dtypes, finiteness and cache use; return the dump with byte sources."""
@@ -203,7 +207,8 @@ def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
     for i, src in sources.items():
         if isinstance(src, TensorSpan):
             if NAME_BY_CODE.get(src.dtype) != dtype:
-                raise DumpRejected("wrong_dtype", f"layer_{i} is {NAME_BY_CODE.get(src.dtype, src.dtype)}, meta says {dtype}")
+                actual = NAME_BY_CODE.get(src.dtype, src.dtype)
+                raise DumpRejected("wrong_dtype", f"layer_{i} is {actual}, meta says {dtype}")
             if src.shape != (n, hidden):
                 raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(src.shape)}, expected [{n}, {hidden}]")
             try:
@@ -217,8 +222,7 @@ def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
                 raise DumpRejected("wrong_dtype", f"layer_{i} is {t.dtype}, meta says {dtype}")
             if tuple(t.shape) != (n, hidden):
                 raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(t.shape)}, expected [{n}, {hidden}]")
-            t = t.contiguous()
-            checked[i] = t.view(torch.uint8).numpy().tobytes()
+            checked[i] = _tensor_bytes(t)
         if not bool(torch.isfinite(t).all()):
             raise DumpRejected("non_finite", f"layer_{i} holds NaN or Inf")
     return Dump(d, meta, checked)
@@ -227,5 +231,5 @@ def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
 def load_staged(d: Path) -> Dump:
     """Reopen a dump that was validated and staged earlier (possibly before a restart)."""
     meta = read_meta(d)
-    return Dump(d, meta, {i: (src if isinstance(src, TensorSpan) else src.contiguous().view(torch.uint8).numpy().tobytes())
-                          for i, src in _layer_sources(d, meta).items()})
+    sources = _layer_sources(d, meta)
+    return Dump(d, meta, {i: src if isinstance(src, TensorSpan) else _tensor_bytes(src) for i, src in sources.items()})

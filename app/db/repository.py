@@ -263,7 +263,8 @@ def commit_shard(session: Session, job_id: str, *, name: str, nbytes: int, sha25
 # --- reads for the API ----------------------------------------------------------------------
 
 
-def list_samples(session: Session, job_id: str, *, state: str | None, after_idx: int | None, limit: int) -> list[Sample]:
+def list_samples(session: Session, job_id: str, *, state: str | None, after_idx: int | None,
+                 limit: int) -> list[Sample]:
     q = select(Sample).where(Sample.job_id == job_id)
     if state:
         q = q.where(Sample.state == state)
