@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from app import serve
+    from app import demo, serve
     from app.reference import cli as reference_cli
 
     srv = sub.add_parser("serve", help="run the extraction service (API + dump-root writer)",
@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reference_cli.add_arguments(ref)
     ref.set_defaults(handler=reference_cli.main)
+    dem = sub.add_parser("demo", help="run a small job end to end on this machine (reference server + service)",
+                         description=demo.DESCRIPTION)
+    demo.add_arguments(dem)
+    dem.set_defaults(handler=demo.main)
     return parser
 
 

@@ -30,16 +30,26 @@ def postgres_server():
     return PG_ADMIN
 
 
+def _fresh_database(admin_url: str):
+    name = f"hsx_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    host_part = admin_url.rsplit("/", 1)[0]
+    yield f"{host_part}/{name}".replace("postgresql://", "postgresql+psycopg://", 1)
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
 def postgres_url(postgres_server):
     """A fresh, empty database on the real server for one test, dropped afterwards."""
-    name = f"hsx_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(postgres_server, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    host_part = postgres_server.rsplit("/", 1)[0]
-    yield f"{host_part}/{name}".replace("postgresql://", "postgresql+psycopg://", 1)
-    with psycopg.connect(postgres_server, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    yield from _fresh_database(postgres_server)
+
+
+@pytest.fixture(scope="module")
+def postgres_module_url(postgres_server):
+    """A fresh database shared by one test module."""
+    yield from _fresh_database(postgres_server)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

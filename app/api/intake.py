@@ -20,12 +20,12 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_ERRORS = 50
 
 
-def _check(index: int, sample: SampleIn, seen: set[str], errors: list[dict]) -> NewSample | None:
+def _check(index: int, sample: SampleIn, seen: set[str], errors: list[dict], where: dict) -> NewSample | None:
     sid = str(sample.id) if sample.id is not None else str(index)
     bad = len(errors)
 
     def err(field: str, message: str) -> None:
-        errors.append({"sample_index": index, "sample_id": sid, "field": field, "message": message})
+        errors.append({"sample_index": index, **where, "sample_id": sid, "field": field, "message": message})
 
     ids = sample.input_ids
     if not ids:
@@ -49,20 +49,21 @@ def _check(index: int, sample: SampleIn, seen: set[str], errors: list[dict]) -> 
 
 
 def samples_from_body(samples: list[SampleIn]) -> list[NewSample]:
-    return _collect(enumerate(samples))
+    return _collect((i, s, {}) for i, s in enumerate(samples))
 
 
-def _collect(items: Iterable[tuple[int, SampleIn | list[dict]]]) -> list[NewSample]:
+def _collect(items: Iterable[tuple[int, SampleIn | list[dict], dict]]) -> list[NewSample]:
+    """Check every item (index, parsed sample or its parse errors, location fields for errors)."""
     errors: list[dict] = []
     seen: set[str] = set()
     out: list[NewSample] = []
     count = 0
-    for index, item in items:
+    for index, item, where in items:
         count += 1
         if isinstance(item, list):  # parse errors already turned into error entries
             errors.extend(item)
             continue
-        row = _check(index, item, seen, errors)
+        row = _check(index, item, seen, errors, where)
         if row is not None:
             out.append(row)
         if len(errors) >= MAX_ERRORS:
@@ -96,9 +97,9 @@ def samples_from_jsonl(path: Path) -> list[NewSample]:
                 if not line.strip():
                     continue
                 try:
-                    yield index, SampleIn.model_validate(json.loads(line), strict=True)
+                    yield index, SampleIn.model_validate(json.loads(line), strict=True), {"line": lineno}
                 except (ValueError, ValidationError) as exc:
-                    yield index, _line_errors(index, lineno, exc)
+                    yield index, _line_errors(index, lineno, exc), {}
                 index += 1
 
     return _collect(items())

@@ -38,15 +38,17 @@ def job_out(job: Job) -> JobOut:
     if started is not None:
         end = utc(job.finished_at) or datetime.now(timezone.utc)
         elapsed = (end - started).total_seconds()
-        if elapsed > 0 and job.tokens_done:
-            rate = job.tokens_done / elapsed
-            eta = 0.0 if job.finished_at else (job.tokens_total - job.tokens_done) / rate
+        extracted = job.tokens_done + job.tokens_staged
+        if elapsed > 0 and extracted:
+            rate = extracted / elapsed
+            eta = 0.0 if job.finished_at else (job.tokens_total - extracted) / rate
     return JobOut(
         id=job.id, name=job.name, state=job.state, error=job.error, created_at=utc(job.created_at),
         started_at=started, finished_at=utc(job.finished_at),
         counts=Counts(total=job.num_samples, queued=job.n_queued, running=job.n_running, staged=job.n_staged,
                       succeeded=job.n_succeeded, failed=job.n_failed, cancelled=job.n_cancelled),
-        tokens=Tokens(total=job.tokens_total, done=job.tokens_done), rate_tokens_per_s=rate, eta_s=eta,
+        tokens=Tokens(total=job.tokens_total, done=job.tokens_done, staged=job.tokens_staged),
+        rate_tokens_per_s=rate, eta_s=eta,
         shards_written=job.shards_written, layers=job.layers, model=job.model_info,
         manifest_url=f"/v1/jobs/{job.id}/manifest",
     )

@@ -50,7 +50,8 @@ class Counts(BaseModel):
 
 class Tokens(BaseModel):
     total: int
-    done: int
+    done: int = Field(description="in written shards")
+    staged: int = Field(description="validated, waiting for their shard")
 
 
 class JobOut(BaseModel):

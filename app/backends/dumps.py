@@ -85,13 +85,18 @@ class DumpRoot:
 
     def entries(self) -> list[Path]:
         try:
-            return [p for p in self.path.iterdir() if p.name.startswith("req_") and p.is_dir()]
+            # A symlink is never a dump: following one could read or delete outside the root.
+            return [p for p in self.path.iterdir()
+                    if p.name.startswith("req_") and p.is_dir() and not p.is_symlink()]
         except FileNotFoundError:
             return []
 
     def clear(self) -> None:
-        for p in self.entries():
-            shutil.rmtree(p, ignore_errors=True)
+        for p in self.path.glob("req_*"):
+            if p.is_symlink():
+                p.unlink(missing_ok=True)
+            elif p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
 
     def completed(self) -> list[Path]:
         return [p for p in self.entries() if (p / "done").exists()]
@@ -109,10 +114,30 @@ def read_meta(d: Path) -> dict:
         raise DumpRejected("bad_meta", f"{d.name}/meta.json unreadable: {exc}") from exc
     if not isinstance(meta, dict):
         raise DumpRejected("bad_meta", f"{d.name}/meta.json is not an object")
+    check_meta_fields(d.name, meta)
+    return meta
+
+
+def check_meta_fields(name: str, meta: dict) -> None:
+    """Required fields present and of the right JSON type, or DumpRejected("bad_meta")."""
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
-        raise DumpRejected("bad_meta", f"{d.name}/meta.json lacks {', '.join(missing)}")
-    return meta
+        raise DumpRejected("bad_meta", f"{name}/meta.json lacks {', '.join(missing)}")
+    wrong = [k for k, ok in (
+        ("num_tokens", _count(meta["num_tokens"])),
+        ("hidden_size", _count(meta["hidden_size"]) and meta["hidden_size"] > 0),
+        ("layers", isinstance(meta["layers"], list) and meta["layers"] and all(_count(i) for i in meta["layers"])),
+        ("dtype", isinstance(meta["dtype"], str)),
+        ("cached_tokens", meta.get("cached_tokens") is None or _count(meta["cached_tokens"])),
+        ("input_ids_sha256", meta.get("input_ids_sha256") is None or isinstance(meta["input_ids_sha256"], str)),
+    ) if not ok]
+    if wrong:
+        raise DumpRejected("bad_meta", f"{name}/meta.json has malformed {', '.join(wrong)}")
+
+
+def _count(v: object) -> bool:
+    """A non-negative JSON integer (bool is an int in Python, not in JSON)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _dump_ids(d: Path) -> list[int] | None:
@@ -131,7 +156,7 @@ def identity_mismatch(d: Path, meta: dict, input_ids: list[int]) -> str | None:
     if meta.get("num_tokens") != len(input_ids):
         return f"num_tokens {meta.get('num_tokens')} != expected {len(input_ids)}"
     sha = meta.get("input_ids_sha256")
-    if sha is not None and sha != ids_sha256(input_ids):
+    if sha is not None and sha.lower() != ids_sha256(input_ids):
         return "input_ids_sha256 differs from the sample's ids"
     ids = _dump_ids(d)
     if ids is not None and ids != input_ids:
@@ -190,6 +215,7 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
              expect_hidden: int | None = None, expect_dtype: str | None = None) -> Dump:
     """Check shapes, dtypes, finiteness and cache use; return the dump with byte sources."""
+    check_meta_fields(d.name, meta)
     if int(meta.get("cached_tokens") or 0) != 0:
         raise DumpRejected("cached_tokens", f"{meta['cached_tokens']} prompt tokens came from the prefix cache")
     n, hidden, dtype = int(meta["num_tokens"]), int(meta["hidden_size"]), str(meta["dtype"])

@@ -51,7 +51,8 @@ class Job(Base):
     layers: Mapped[list | None] = mapped_column(JSON)
     num_samples: Mapped[int] = mapped_column(Integer, default=0)
     tokens_total: Mapped[int] = mapped_column(BigInteger, default=0)
-    tokens_done: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_done: Mapped[int] = mapped_column(BigInteger, default=0)  # in written shards
+    tokens_staged: Mapped[int] = mapped_column(BigInteger, default=0)  # validated, shard not yet written
     # Per-state counters kept in step with every sample transition, so progress never counts rows.
     n_queued: Mapped[int] = mapped_column(Integer, default=0)
     n_running: Mapped[int] = mapped_column(Integer, default=0)
@@ -77,7 +78,9 @@ class Sample(Base):
     loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)
     num_tokens: Mapped[int] = mapped_column(Integer)
     observed_tokens: Mapped[int | None] = mapped_column(Integer)
+    # attempts: the retry budget spent; tries: every claim, including ones an outage interrupted.
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    tries: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str | None] = mapped_column(Text)
     # The dump root (host:path) whose single writer holds this sample while running or staged.
     writer: Mapped[str | None] = mapped_column(String(500))

@@ -44,7 +44,8 @@ class Claimed:
     input_ids: bytes
     loss_mask: bytes | None
     num_tokens: int
-    attempt: int
+    attempt: int  # budget spent, this one included
+    try_number: int  # unique per claim of this sample: names its request and staging folder
     attempt_pk: int
     job_layers: list[int] | None
     job_model_info: dict | None
@@ -58,7 +59,7 @@ def create_job(session: Session, *, name: str | None, layers: list[int] | None, 
     now = utcnow()
     job = Job(
         id=new_job_id(), name=name, state="queued", created_at=now, layers=layers,
-        num_samples=len(samples), tokens_total=sum(s.num_tokens for s in samples), tokens_done=0,
+        num_samples=len(samples), tokens_total=sum(s.num_tokens for s in samples), tokens_done=0, tokens_staged=0,
         n_queued=len(samples), n_running=0, n_staged=0, n_succeeded=0, n_failed=0, n_cancelled=0,
         shards_written=0,
     )
@@ -66,7 +67,7 @@ def create_job(session: Session, *, name: str | None, layers: list[int] | None, 
     session.flush()
     rows = [
         {"job_id": job.id, "idx": i, "sample_id": s.sample_id, "state": "queued", "input_ids": s.input_ids,
-         "loss_mask": s.loss_mask, "num_tokens": s.num_tokens, "attempts": 0, "updated_at": now}
+         "loss_mask": s.loss_mask, "num_tokens": s.num_tokens, "attempts": 0, "tries": 0, "updated_at": now}
         for i, s in enumerate(samples)
     ]
     for start in range(0, len(rows), 5000):
@@ -113,22 +114,30 @@ def fail_job(session: Session, job_id: str, reason: str) -> None:
 # --- sample transitions -------------------------------------------------------------------
 
 
-def _transition(session: Session, job_id: str, pks: list[int], src: str, dst: str, values: dict,
-                tokens_done: int = 0) -> int:
+# Token counters that follow a sample's tokens in and out of a state.
+TOKEN_COUNTERS = {"staged": Job.tokens_staged, "succeeded": Job.tokens_done}
+
+
+def _transition(session: Session, job_id: str, pks: list[int], src: str, dst: str, values: dict) -> int:
+    """Move the samples that are still in `src` to `dst`; keep the job's counters in step."""
     if not pks:
         return 0
-    rc = session.execute(
+    moved = session.execute(
         update(Sample).where(Sample.pk.in_(pks), Sample.state == src)
         .values(state=dst, updated_at=utcnow(), **values)
+        .returning(Sample.num_tokens)
         .execution_options(synchronize_session=False)
-    ).rowcount
-    if rc:
+    ).scalars().all()
+    if moved:
+        rc, tokens = len(moved), sum(moved)
         src_col, dst_col = getattr(Job, f"n_{src}"), getattr(Job, f"n_{dst}")
-        session.execute(
-            update(Job).where(Job.id == job_id)
-            .values({src_col: src_col - rc, dst_col: dst_col + rc, Job.tokens_done: Job.tokens_done + tokens_done})
-        )
-    return rc
+        changes = {src_col: src_col - rc, dst_col: dst_col + rc}
+        if src in TOKEN_COUNTERS:
+            changes[TOKEN_COUNTERS[src]] = TOKEN_COUNTERS[src] - tokens
+        if dst in TOKEN_COUNTERS:
+            changes[TOKEN_COUNTERS[dst]] = TOKEN_COUNTERS[dst] + tokens
+        session.execute(update(Job).where(Job.id == job_id).values(changes))
+    return len(moved)
 
 
 def claim_next(session: Session, writer: str) -> Claimed | None:
@@ -146,9 +155,10 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
     row = session.execute(
         update(Sample)
         .where(Sample.pk == pick.scalar_subquery(), Sample.state == "queued", ~busy)
-        .values(state="running", writer=writer, attempts=Sample.attempts + 1, updated_at=utcnow())
+        .values(state="running", writer=writer, attempts=Sample.attempts + 1, tries=Sample.tries + 1,
+                updated_at=utcnow())
         .returning(Sample.pk, Sample.job_id, Sample.idx, Sample.sample_id, Sample.input_ids, Sample.loss_mask,
-                   Sample.num_tokens, Sample.attempts)
+                   Sample.num_tokens, Sample.attempts, Sample.tries)
         .execution_options(synchronize_session=False)
     ).first()
     if row is None:
@@ -161,12 +171,12 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
     session.execute(
         update(Job).where(Job.id == row.job_id, Job.state == "queued").values(state="running", started_at=now)
     )
-    attempt = Attempt(sample_pk=row.pk, number=row.attempts, writer=writer, started_at=now)
+    attempt = Attempt(sample_pk=row.pk, number=row.tries, writer=writer, started_at=now)
     session.add(attempt)
     session.flush()
     job = session.execute(select(Job.layers, Job.model_info).where(Job.id == row.job_id)).one()
     return Claimed(row.pk, row.job_id, row.idx, row.sample_id, row.input_ids, row.loss_mask, row.num_tokens,
-                   row.attempts, attempt.pk, job.layers, job.model_info)
+                   row.attempts, row.tries, attempt.pk, job.layers, job.model_info)
 
 
 def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str | None = None, **fields) -> None:
@@ -253,9 +263,9 @@ def commit_shard(session: Session, job_id: str, *, name: str, nbytes: int, sha25
     """Record a written shard and mark its samples succeeded. `placed`: (pk, offset, tokens)."""
     session.add(Shard(job_id=job_id, name=name, bytes=nbytes, sha256=sha256, num_samples=len(placed),
                       num_tokens=sum(t for _, _, t in placed), created_at=utcnow()))
-    for pk, offset, tokens in placed:
+    for pk, offset, _ in placed:
         moved = _transition(session, job_id, [pk], "staged", "succeeded",
-                            {"shard": name, "shard_offset": offset, "staged_path": None}, tokens_done=tokens)
+                            {"shard": name, "shard_offset": offset, "staged_path": None})
         if moved != 1:
             raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
 

@@ -161,20 +161,26 @@ class Writer:
 
     def _process(self, c: repo.Claimed) -> None:
         ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
-        rid = f"hsx-{c.job_id}-{c.idx}-a{c.attempt}"
+        rid = f"hsx-{c.job_id}-{c.idx}-t{c.try_number}"
         info = c.job_model_info or {}
         expect = Expectation(layers=info.get("layers", c.job_layers), hidden_size=info.get("hidden_size"),
                              dtype=info.get("dtype"))
         try:
-            dump = self.extractor.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-a{c.attempt}",
+            dump = self.extractor.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}",
                                           expect=expect)
         except BackendUnavailable as exc:
             self.extractor = None
             with self.sessions.begin() as s:
                 repo.release_interrupted(s, c, reason=f"model server unavailable: {exc}")
             return
-        except (DumpRejected, BackendRejected) as exc:
-            reason = f"{exc.code}: {exc.reason}" if isinstance(exc, DumpRejected) else f"server_error: {exc}"
+        except Exception as exc:  # any other failure is this attempt's, recorded, never a stuck sample
+            if isinstance(exc, DumpRejected):
+                reason = f"{exc.code}: {exc.reason}"
+            elif isinstance(exc, BackendRejected):
+                reason = f"server_error: {exc}"
+            else:
+                log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
+                reason = f"internal_error: {type(exc).__name__}: {exc}"
             with self.sessions.begin() as s:
                 outcome = repo.record_failed_attempt(s, c, reason=reason, max_attempts=self.settings.max_attempts)
             log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
@@ -219,7 +225,17 @@ class Writer:
                 self._finish(job_id)
 
     def _flush(self, job_id: str) -> None:
-        self._pending.pop(job_id, None)
+        """Write this writer's staged samples of a job as one shard. On failure they stay staged
+        and are tried again after shard_max_wait_s."""
+        pending = self._pending.pop(job_id, None) or _Pending()
+        try:
+            self._write_staged(job_id)
+        except Exception:
+            log.exception("job %s: writing a shard failed; its staged samples wait for the next try", job_id)
+            pending.since = time.monotonic()
+            self._pending[job_id] = pending
+
+    def _write_staged(self, job_id: str) -> None:
         with self.sessions() as s:
             staged = [x for x in repo.staged_samples(s, self.identity) if x.job_id == job_id]
             job = repo.get_job(s, job_id)

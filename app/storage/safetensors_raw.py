@@ -71,7 +71,7 @@ def read_index(path: Path) -> dict[str, TensorSpan]:
             if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
                 raise SafetensorsFormatError(f"{path.name}: header length {header_len} does not fit the file")
             header = json.loads(f.read(header_len))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise SafetensorsFormatError(f"{path.name}: unreadable header ({exc})") from exc
     if not isinstance(header, dict):
         raise SafetensorsFormatError(f"{path.name}: header is not an object")
@@ -81,17 +81,22 @@ def read_index(path: Path) -> dict[str, TensorSpan]:
         if name == "__metadata__":
             continue
         try:
-            dtype = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (KeyError, TypeError, ValueError) as exc:
             raise SafetensorsFormatError(f"{path.name}: bad header entry for {name!r}") from exc
+        if not isinstance(shape, list) or not all(_whole(d) for d in shape) or not (_whole(begin) and _whole(end)):
+            raise SafetensorsFormatError(f"{path.name}: {name} has a malformed shape or offsets")
+        shape = tuple(shape)
         if dtype not in ITEMSIZE:
             raise SafetensorsFormatError(f"{path.name}: {name} has unsupported dtype {dtype}")
         if end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0 or base + end > size:
             raise SafetensorsFormatError(f"{path.name}: {name} data does not fit its shape or the file")
         spans[name] = TensorSpan(path, dtype, shape, base + begin, base + end)
     return spans
+
+
+def _whole(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:

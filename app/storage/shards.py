@@ -17,7 +17,7 @@ from typing import BinaryIO
 import numpy as np
 
 from app.storage.atomic import atomic_writer
-from app.storage.safetensors_raw import CODE_BY_NAME, TensorSpan, encode_header
+from app.storage.safetensors_raw import CODE_BY_NAME, ITEMSIZE, TensorSpan, encode_header
 
 SHARD_FORMAT = "hsx-shard/1"
 COPY_CHUNK = 8 * 1024 * 1024
@@ -82,8 +82,17 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
     if not samples:
         raise ValueError("a shard needs at least one sample")
     code = CODE_BY_NAME[dtype]
+    row_bytes = hidden_size * ITEMSIZE[code]
     offsets, total = [], 0
     for s in samples:
+        # A source that does not fit its rows would give a shard whose header lies about its data.
+        if s.loss_mask.shape != s.input_ids.shape:
+            raise ValueError(f"{s.sample_id}: loss_mask has {s.loss_mask.shape[0]} values for {s.num_tokens} tokens")
+        for layer in layers:
+            src = s.layers[layer]
+            size = src.nbytes if isinstance(src, TensorSpan) else len(src)
+            if size != s.num_tokens * row_bytes:
+                raise ValueError(f"{s.sample_id}: layer_{layer} has {size} bytes, expected {s.num_tokens * row_bytes}")
         offsets.append(total)
         total += s.num_tokens
     entries = [("input_ids", "I64", (total,)), ("loss_mask", "I64", (total,))]

@@ -1,0 +1,141 @@
+"""One writer per dump root: on the file system (a lock) and in the database (one running sample)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
+
+from app.db import repository as repo
+from app.db.engine import make_engine, session_factory, upgrade
+from app.db.models import Sample
+from tests.support.stack import start_service
+
+
+def new_samples(n: int) -> list[repo.NewSample]:
+    return [repo.NewSample(f"s{i}", np.arange(1, i + 3, dtype="<i4").tobytes(), None, i + 2) for i in range(n)]
+
+
+@pytest.fixture
+def sessions(database_url):
+    engine = make_engine(database_url)
+    upgrade(engine)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+def test_second_service_on_the_same_dump_root_refuses(tmp_path):
+    dump_root = tmp_path / "dumps"
+    first = start_service(tmp_path / "a", f"sqlite:///{tmp_path / 'a.db'}", dump_root=dump_root)
+    try:
+        second = start_service(tmp_path / "b", f"sqlite:///{tmp_path / 'b.db'}", dump_root=dump_root, wait=False)
+        assert second.proc.proc.wait(timeout=60) == 2
+        assert "locked by another process" in second.proc.log()
+        assert first.get("/healthz").status_code == 200
+    finally:
+        first.stop()
+    # Once the first is gone, the root is free again.
+    third = start_service(tmp_path / "c", f"sqlite:///{tmp_path / 'c.db'}", dump_root=dump_root)
+    third.stop()
+
+
+def test_one_running_sample_per_writer(sessions):
+    with sessions.begin() as s:
+        job = repo.create_job(s, name=None, layers=None, samples=new_samples(3))
+    with sessions.begin() as s:
+        first = repo.claim_next(s, "host:/dump/a")
+    assert first is not None and first.idx == 0 and first.attempt == 1
+    with sessions.begin() as s:
+        assert repo.claim_next(s, "host:/dump/a") is None, "a writer with a running sample claims nothing more"
+    with sessions.begin() as s:
+        other = repo.claim_next(s, "host:/dump/b")
+    assert other is not None and other.idx == 1
+    # The partial unique index refuses a second running sample for a writer, whatever the code does.
+    with pytest.raises(IntegrityError):
+        with sessions.begin() as s:
+            s.execute(update(Sample).where(Sample.job_id == job.id, Sample.idx == 2)
+                      .values(state="running", writer="host:/dump/a"))
+    with sessions() as s:
+        j = repo.get_job(s, job.id)
+        assert (j.n_queued, j.n_running, j.state) == (1, 2, "running")
+
+
+def test_concurrent_claims_for_one_writer_take_one_sample(sessions):
+    with sessions.begin() as s:
+        repo.create_job(s, name=None, layers=None, samples=new_samples(8))
+    results, barrier = [], threading.Barrier(6)
+
+    def claim():
+        barrier.wait()
+        try:
+            with sessions.begin() as s:
+                results.append(repo.claim_next(s, "host:/dump/x"))
+        except IntegrityError:
+            results.append("refused")
+
+    threads = [threading.Thread(target=claim) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    claimed = [r for r in results if r not in (None, "refused")]
+    assert len(claimed) == 1, results
+
+
+def test_failed_attempts_retry_then_fail_with_reason(sessions):
+    with sessions.begin() as s:
+        job = repo.create_job(s, name=None, layers=None, samples=new_samples(1))
+    for attempt in (1, 2, 3):
+        with sessions.begin() as s:
+            c = repo.claim_next(s, "w")
+            assert c.attempt == attempt
+            outcome = repo.record_failed_attempt(s, c, reason=f"no_dump: try {attempt}", max_attempts=3)
+        assert outcome == ("failed" if attempt == 3 else "queued")
+    with sessions.begin() as s:
+        assert repo.claim_next(s, "w") is None
+        assert repo.finish_job_if_done(s, job.id)
+    with sessions() as s:
+        j = repo.get_job(s, job.id)
+        sample = repo.get_sample(s, job.id, "s0")
+        attempts = repo.sample_attempts(s, sample.pk)
+    assert (j.state, j.n_failed, j.n_queued) == ("failed", 1, 0)
+    assert sample.last_error == "no_dump: try 3"
+    assert [(a.number, a.outcome) for a in attempts] == [(1, "retry"), (2, "retry"), (3, "failed")]
+
+
+def test_outage_does_not_spend_attempts(sessions):
+    with sessions.begin() as s:
+        repo.create_job(s, name=None, layers=None, samples=new_samples(1))
+    for _ in range(5):
+        with sessions.begin() as s:
+            c = repo.claim_next(s, "w")
+            repo.release_interrupted(s, c, reason="model server unavailable")
+    with sessions.begin() as s:
+        c = repo.claim_next(s, "w")
+    assert c.attempt == 1
+
+
+def test_recovery_requeues_running_and_lost_staged(sessions, tmp_path):
+    with sessions.begin() as s:
+        job = repo.create_job(s, name=None, layers=None, samples=new_samples(3))
+    kept_dir = tmp_path / "kept"
+    kept_dir.mkdir()
+    (kept_dir / "done").touch()
+    with sessions.begin() as s:
+        a = repo.claim_next(s, "w")
+        repo.mark_staged(s, a, staged_path=str(kept_dir), observed_tokens=a.num_tokens, dump_key="req_1", boot_id="b")
+    with sessions.begin() as s:
+        b = repo.claim_next(s, "w")
+        repo.mark_staged(s, b, staged_path=str(tmp_path / "gone"), observed_tokens=b.num_tokens, dump_key="req_2",
+                         boot_id="b")
+    with sessions.begin() as s:
+        repo.claim_next(s, "w")  # running when the "crash" happens
+    with sessions.begin() as s:
+        requeued, kept = repo.recover_writer(s, "w", lambda p: (tmp_path / p / "done").exists())
+    assert (requeued, kept) == (2, 1)
+    with sessions() as s:
+        j = repo.get_job(s, job.id)
+    assert (j.n_queued, j.n_running, j.n_staged) == (2, 0, 1)
