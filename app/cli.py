@@ -1,9 +1,20 @@
-"""The `hsx` command line: the service, the reference model server and the demo."""
+"""The `hsx` command line: one subcommand per module listed in COMMANDS.
+
+Each module provides NAME, HELP, DESCRIPTION, add_arguments(parser) and main(args) -> int, and
+imports anything heavy (torch, transformers) inside main so that `--help` stays fast.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+COMMANDS = [
+    "app.serve",
+    "app.reference.cli",
+    "app.demo",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -12,26 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Extract a language model's hidden states, sample by sample, from an SGLang-style server.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    from app import demo, serve
-    from app.reference import cli as reference_cli
-
-    srv = sub.add_parser("serve", help="run the extraction service (API + dump-root writer)",
-                         description=serve.DESCRIPTION)
-    serve.add_arguments(srv)
-    srv.set_defaults(handler=serve.main)
-
-    ref = sub.add_parser(
-        "reference-server",
-        help="run the SGLang-compatible reference model server that writes hidden-state dumps",
-        description=reference_cli.DESCRIPTION,
-    )
-    reference_cli.add_arguments(ref)
-    ref.set_defaults(handler=reference_cli.main)
-    dem = sub.add_parser("demo", help="run a small job end to end on this machine (reference server + service)",
-                         description=demo.DESCRIPTION)
-    demo.add_arguments(dem)
-    dem.set_defaults(handler=demo.main)
+    for name in COMMANDS:
+        module = importlib.import_module(name)
+        cmd = sub.add_parser(module.NAME, help=module.HELP, description=module.DESCRIPTION,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(cmd)
+        cmd.set_defaults(handler=module.main)
     return parser
 
 

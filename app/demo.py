@@ -21,6 +21,8 @@ import httpx
 
 from app.sdk import HsxClient
 
+NAME = "demo"
+HELP = "run a small job end to end on this machine (reference server + service)"
 DESCRIPTION = ("Run a small extraction job end to end on this machine: reference model server (embedded tiny "
                "model) + service + SQLite, all on loopback. Prints progress and the manifest path.")
 

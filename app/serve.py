@@ -10,6 +10,8 @@ import uvicorn
 
 from app.config import Settings
 
+NAME = "serve"
+HELP = "run the extraction service (API + dump-root writer)"
 DESCRIPTION = (
     "Run the extraction service: the HTTP API plus the single writer for one dump root. "
     "Every flag can also be set by an environment variable named HSX_<FLAG> (e.g. HSX_DATABASE_URL)."

@@ -8,6 +8,8 @@ import sys
 import uuid
 from pathlib import Path
 
+NAME = "reference-server"
+HELP = "run the SGLang-compatible reference model server that writes hidden-state dumps"
 DESCRIPTION = (
     "Serve a causal LM (a local transformers checkpoint, or an embedded tiny Llama) behind an "
     "SGLang-compatible HTTP API (/generate, /health, /get_model_info, /get_server_info, /flush_cache). "
