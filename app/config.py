@@ -31,6 +31,12 @@ class Settings(BaseSettings):
     dump_wait_s: float = Field(30.0, description="how long to wait for a dump's `done` marker after the reply")
     request_timeout_s: float = Field(600.0, description="HTTP timeout for one /generate request")
     name_by: str = Field("auto", description="dump naming: auto (ask the server), counter or rid")
+    max_json_bytes: int = Field(64 * 1024 * 1024, description="largest application/json request body")
+    max_ndjson_bytes: int = Field(16 * 1024**3, description="largest streamed application/x-ndjson job body")
+    api_tokens: str = Field(
+        "", description="comma-separated bearer tokens, each TOKEN or TOKEN:read; when set, every endpoint but "
+        "/healthz needs one, and :read tokens may only read"
+    )
     run_writer: bool = Field(True, description="run the single writer for the dump root in this process")
 
     def resolved_staging_dir(self) -> Path:

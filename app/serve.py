@@ -32,6 +32,9 @@ FLAGS = {
     "dump_wait_s": (float, "how long to wait for a dump's done marker after the server replied"),
     "request_timeout_s": (float, "HTTP timeout for one /generate request"),
     "name_by": (str, "dump naming: auto (ask the server), counter or rid"),
+    "max_json_bytes": (int, "largest application/json request body"),
+    "max_ndjson_bytes": (int, "largest streamed application/x-ndjson job body"),
+    "api_tokens": (str, "comma-separated bearer tokens (TOKEN or TOKEN:read); unset: no authentication"),
 }
 
 

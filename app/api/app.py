@@ -6,13 +6,17 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from sqlalchemy import text
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse
+from sqlalchemy import func, select, text
 
-from app.api import jobs, problems
+from app.api import jobs, problems, security
+from app.api.backend_info import BackendInfo
 from app.api.deps import ReadSessionDep
-from app.api.schemas import Health
+from app.api.schemas import Health, JobCreate
 from app.config import Settings
 from app.db.engine import make_engine, session_factory, upgrade
+from app.db.models import SAMPLE_STATES, Job
 from app.scheduler.writer import Writer
 
 log = logging.getLogger("hsx.api")
@@ -42,7 +46,9 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     app.state.sessions = session_factory(engine)
     app.state.read_sessions = session_factory(engine, readonly=True)
     app.state.writer = writer
+    app.state.backend = BackendInfo(settings.backend_url)
     problems.install(app)
+    security.install(app, settings.api_tokens)
     app.include_router(jobs.router)
 
     @app.get("/healthz", response_model=Health, tags=["health"], summary="Liveness, database and writer status")
@@ -60,4 +66,37 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
         ok = db == "ok" and (status is None or status["state"] == "ready")
         return Health(status="ok" if ok else "degraded", database=db, writer=status)
 
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["health"],
+             summary="Prometheus metrics: samples by state, tokens per second, backend latency, retries by reason")
+    def metrics(session: ReadSessionDep) -> PlainTextResponse:
+        lines = ["# HELP hsx_jobs Jobs by state.", "# TYPE hsx_jobs gauge"]
+        for state, n in session.execute(select(Job.state, func.count()).group_by(Job.state)).all():
+            lines.append(f'hsx_jobs{{state="{state}"}} {n}')
+        sums = session.execute(select(*[func.coalesce(func.sum(getattr(Job, f"n_{s}")), 0)
+                                        for s in SAMPLE_STATES])).one()
+        lines += ["# HELP hsx_samples Samples by state, over all jobs.", "# TYPE hsx_samples gauge"]
+        lines += [f'hsx_samples{{state="{s}"}} {n}' for s, n in zip(SAMPLE_STATES, sums)]
+        if app.state.writer is not None:
+            w = app.state.writer
+            lines += ["# HELP hsx_writer_ready Whether the dump-root writer can extract now.",
+                      "# TYPE hsx_writer_ready gauge", f"hsx_writer_ready {int(w.status.state == 'ready')}"]
+            lines += w.metrics.render()
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components["Problem"] = problems.PROBLEM_SCHEMA
+            components.setdefault("JobCreate", JobCreate.model_json_schema(ref_template="#/components/schemas/{model}"))
+            for name, sub in components["JobCreate"].pop("$defs", {}).items():
+                components.setdefault(name, sub)
+            if settings.api_tokens:
+                components_root = schema["components"]
+                components_root["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+                schema["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

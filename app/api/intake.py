@@ -1,78 +1,144 @@
-"""Turn submitted samples (JSON body or a JSONL file under the input root) into rows to store.
+"""Turn submitted samples into stored rows: inline JSON, a JSONL file under the input root, or an
+NDJSON request body streamed line by line.
 
-All samples are checked before anything is stored; every error names the sample and field.
+Every sample is checked before the transaction commits; any error rolls the whole job back, so a
+refused request stores nothing. Errors name the sample index (and line) and the field.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 from pydantic import ValidationError
+from sqlalchemy.orm import Session
 
 from app.api.problems import InvalidInput, ProblemError
 from app.api.schemas import SampleIn
-from app.db.repository import NewSample
+from app.db.models import Job
+from app.db.repository import JobBuilder, NewSample
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ERRORS = 50
+BATCH = 2000
 
 
-def _check(index: int, sample: SampleIn, seen: set[str], errors: list[dict], where: dict) -> NewSample | None:
-    sid = str(sample.id) if sample.id is not None else str(index)
-    bad = len(errors)
+@dataclass(frozen=True)
+class Limits:
+    """What the model server accepts: ids below vocab_size, at most max_tokens per prompt."""
 
-    def err(field: str, message: str) -> None:
-        errors.append({"sample_index": index, **where, "sample_id": sid, "field": field, "message": message})
-
-    ids = sample.input_ids
-    if not ids:
-        err("input_ids", "must hold at least one token id")
-    elif min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
-        pos = next(i for i, t in enumerate(ids) if t < 0 or t > MAX_TOKEN_ID)
-        err(f"input_ids.{pos}", f"token id {ids[pos]} is out of range")
-    mask = sample.loss_mask
-    if mask is not None:
-        if len(mask) != len(ids):
-            err("loss_mask", f"has {len(mask)} values, input_ids has {len(ids)}")
-        elif any(v not in (0, 1) for v in mask):
-            err("loss_mask", "values must be 0 or 1")
-    if sid in seen:
-        err("id", f"duplicate sample id {sid!r}")
-    seen.add(sid)
-    if len(errors) > bad:
-        return None
-    packed_mask = None if mask is None or all(mask) else np.asarray(mask, dtype=np.uint8).tobytes()
-    return NewSample(sid, np.asarray(ids, dtype="<i4").tobytes(), packed_mask, len(ids))
+    vocab_size: int | None = None
+    max_tokens: int | None = None
 
 
-def samples_from_body(samples: list[SampleIn]) -> list[NewSample]:
-    return _collect((i, s, {}) for i, s in enumerate(samples))
+class Ingest:
+    """Check samples one by one and insert them in batches through a JobBuilder."""
+
+    def __init__(self, session: Session, limits: Limits, *, name: str | None, layers: list[int] | None,
+                 idempotency_key: str | None = None, request_sha256: str | None = None):
+        self.limits = limits
+        self.builder = JobBuilder(session, name=name, layers=layers, idempotency_key=idempotency_key,
+                                  request_sha256=request_sha256)
+        self.errors: list[dict] = []
+        self.batch: list[NewSample] = []
+        self.count = 0
+        # 8-byte digests of the ids seen: duplicate detection without holding every id string.
+        self.seen: set[bytes] = set()
+
+    def feed(self, index: int, item: SampleIn | list[dict], where: dict) -> None:
+        self.count += 1
+        if isinstance(item, list):  # parse errors, already shaped as error entries
+            self.errors.extend(item)
+        else:
+            row = self._check(index, item, where)
+            if row is not None:
+                self.batch.append(row)
+                if len(self.batch) >= BATCH:
+                    self._flush()
+        if len(self.errors) >= MAX_ERRORS:
+            raise InvalidInput(self.errors[:MAX_ERRORS])
+
+    def finish(self) -> Job:
+        if self.errors:
+            raise InvalidInput(self.errors[:MAX_ERRORS])
+        if self.count == 0:
+            raise InvalidInput([{"field": "samples", "message": "a job needs at least one sample"}])
+        self._flush()
+        return self.builder.finish()
+
+    def _flush(self) -> None:
+        if not self.errors:
+            self.builder.add(self.batch)
+        self.batch = []
+
+    def _is_duplicate(self, sid: str) -> bool:
+        digest = hashlib.blake2b(sid.encode(), digest_size=8).digest()
+        if digest not in self.seen:
+            self.seen.add(digest)
+            return False
+        # A digest seen before: compare the real ids, in the pending batch and in the database.
+        return any(s.sample_id == sid for s in self.batch) or self.builder.has_sample_id(sid)
+
+    def _check(self, index: int, sample: SampleIn, where: dict) -> NewSample | None:
+        sid = str(sample.id) if sample.id is not None else str(index)
+        bad = len(self.errors)
+
+        def err(field: str, message: str) -> None:
+            self.errors.append({"sample_index": index, **where, "sample_id": sid, "field": field, "message": message})
+
+        ids = sample.input_ids
+        vocab = self.limits.vocab_size or MAX_TOKEN_ID + 1
+        if not ids:
+            err("input_ids", "must hold at least one token id")
+        else:
+            pos = next((i for i, t in enumerate(ids) if t < 0 or t >= vocab), None)
+            if pos is not None:
+                err(f"input_ids.{pos}", f"token id {ids[pos]} is outside [0, {vocab}) of the model's vocabulary")
+            if self.limits.max_tokens is not None and len(ids) > self.limits.max_tokens:
+                err("input_ids", f"{len(ids)} tokens exceed the model server's limit of {self.limits.max_tokens}")
+        mask = sample.loss_mask
+        if mask is not None:
+            if len(mask) != len(ids):
+                err("loss_mask", f"has {len(mask)} values, input_ids has {len(ids)}")
+            elif any(v not in (0, 1) for v in mask):
+                err("loss_mask", "values must be 0 or 1")
+        if self._is_duplicate(sid):
+            err("id", f"duplicate sample id {sid!r}")
+        if len(self.errors) > bad:
+            return None
+        packed_mask = None if mask is None or all(mask) else np.asarray(mask, dtype=np.uint8).tobytes()
+        return NewSample(sid, np.asarray(ids, dtype="<i4").tobytes(), packed_mask, len(ids))
 
 
-def _collect(items: Iterable[tuple[int, SampleIn | list[dict], dict]]) -> list[NewSample]:
-    """Check every item (index, parsed sample or its parse errors, location fields for errors)."""
-    errors: list[dict] = []
-    seen: set[str] = set()
-    out: list[NewSample] = []
-    count = 0
-    for index, item, where in items:
-        count += 1
-        if isinstance(item, list):  # parse errors already turned into error entries
-            errors.extend(item)
+def body_items(samples: list[SampleIn]) -> Iterator[tuple[int, SampleIn, dict]]:
+    for i, s in enumerate(samples):
+        yield i, s, {}
+
+
+def parse_line(index: int, lineno: int, line: bytes | str) -> tuple[int, SampleIn | list[dict], dict]:
+    """One JSONL line as a sample, or as the errors that say why it is not one."""
+    try:
+        return index, SampleIn.model_validate(json.loads(line), strict=True), {"line": lineno}
+    except ValidationError as exc:
+        return index, [{"sample_index": index, "line": lineno, "field": ".".join(str(p) for p in e["loc"]) or "sample",
+                        "message": e["msg"]} for e in exc.errors()], {}
+    except ValueError as exc:
+        return index, [{"sample_index": index, "line": lineno, "field": "sample",
+                        "message": f"not valid JSON: {exc}"}], {}
+
+
+def numbered_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, SampleIn | list[dict], dict]]:
+    """Parse JSONL lines, skipping blank ones; sample index counts samples, line counts lines."""
+    index = 0
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
             continue
-        row = _check(index, item, seen, errors, where)
-        if row is not None:
-            out.append(row)
-        if len(errors) >= MAX_ERRORS:
-            break
-    if errors:
-        raise InvalidInput(errors[:MAX_ERRORS])
-    if count == 0:
-        raise InvalidInput([{"field": "samples", "message": "a job needs at least one sample"}])
-    return out
+        yield parse_line(index, lineno, line)
+        index += 1
 
 
 def resolve_input_path(input_root: Path, relative: str) -> Path:
@@ -89,24 +155,6 @@ def resolve_input_path(input_root: Path, relative: str) -> Path:
     return path
 
 
-def samples_from_jsonl(path: Path) -> list[NewSample]:
-    def items():
-        with open(path, encoding="utf-8") as f:
-            index = 0
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield index, SampleIn.model_validate(json.loads(line), strict=True), {"line": lineno}
-                except (ValueError, ValidationError) as exc:
-                    yield index, _line_errors(index, lineno, exc), {}
-                index += 1
-
-    return _collect(items())
-
-
-def _line_errors(index: int, lineno: int, exc: Exception) -> list[dict]:
-    if isinstance(exc, ValidationError):
-        return [{"sample_index": index, "line": lineno, "field": ".".join(str(p) for p in e["loc"]) or "sample",
-                 "message": e["msg"]} for e in exc.errors()]
-    return [{"sample_index": index, "line": lineno, "field": "sample", "message": f"not valid JSON: {exc}"}]
+def file_lines(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from f

@@ -1,35 +1,69 @@
-"""/v1/jobs: create jobs, watch their progress, list samples, fetch manifests and shards."""
+"""/v1/jobs: create jobs, follow their progress, act on them, fetch manifests, shards and samples."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
+import re
+import shutil
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Annotated, AsyncIterator
 
-from fastapi import APIRouter, Query
-from fastapi.responses import FileResponse
-from sqlalchemy.orm import Session
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import FileResponse, StreamingResponse
+from pydantic import ValidationError
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
 from app.api import intake
 from app.api.deps import ReadSessionDep, SessionDep, SettingsDep
-from app.api.problems import PROBLEM_MEDIA_TYPE, NotFound, ProblemError
+from app.api.problems import PROBLEM_MEDIA_TYPE, InvalidInput, NotFound, ProblemError, errors_from_pydantic
 from app.api.schemas import (
     AttemptOut,
     Counts,
     JobCreate,
     JobOut,
+    JobPage,
+    JobState,
     SampleOut,
     SamplePage,
     SampleState,
     Tokens,
+    check_layers,
     utc,
 )
+from app.config import Settings
 from app.db import repository as repo
-from app.db.models import Job, Sample
+from app.db.models import TERMINAL_JOB_STATES, Job, Sample
 from app.manifests import job_dir, manifest_document
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-PROBLEMS = {code: {"content": {PROBLEM_MEDIA_TYPE: {}}, "description": desc}
-            for code, desc in ((403, "Forbidden"), (404, "Not found"), (422, "Invalid input"))}
+
+
+def _problems(*codes: int) -> dict:
+    text = {401: "Missing or unknown token", 403: "Not allowed", 404: "Not found", 409: "Not allowed in this state",
+            413: "Body too large", 415: "Unsupported media type", 416: "Range not satisfiable",
+            422: "Invalid input"}
+    schema = {"$ref": "#/components/schemas/Problem"}
+    return {c: {"description": text[c], "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}}}
+            for c in (401, 403, *codes)}
+
+
+CREATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/JobCreate"}},
+            "application/x-ndjson": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "one sample object per line ({\"id\"?, \"input_ids\", \"loss_mask\"?}); "
+                               "job name and layers come from the query string",
+            },
+        },
+    }
+}
 
 
 def job_out(job: Job) -> JobOut:
@@ -44,7 +78,7 @@ def job_out(job: Job) -> JobOut:
             eta = 0.0 if job.finished_at else (job.tokens_total - extracted) / rate
     return JobOut(
         id=job.id, name=job.name, state=job.state, error=job.error, created_at=utc(job.created_at),
-        started_at=started, finished_at=utc(job.finished_at),
+        started_at=started, cancel_requested_at=utc(job.cancel_requested_at), finished_at=utc(job.finished_at),
         counts=Counts(total=job.num_samples, queued=job.n_queued, running=job.n_running, staged=job.n_staged,
                       succeeded=job.n_succeeded, failed=job.n_failed, cancelled=job.n_cancelled),
         tokens=Tokens(total=job.tokens_total, done=job.tokens_done, staged=job.tokens_staged),
@@ -72,33 +106,217 @@ def _job(session: Session, job_id: str) -> Job:
     return job
 
 
-@router.post("", status_code=202, response_model=JobOut, responses=PROBLEMS,
-             summary="Create an extraction job (inline samples or a JSONL file under the input root)")
-def create_job(body: JobCreate, session: SessionDep, settings: SettingsDep) -> JobOut:
-    if body.samples is not None:
-        rows = intake.samples_from_body(body.samples)
-    else:
-        rows = intake.samples_from_jsonl(intake.resolve_input_path(settings.input_root, body.input_path))
-    if body.layers is not None and (not body.layers or body.layers != sorted(set(body.layers))
-                                    or body.layers[0] < 0):
-        raise ProblemError(422, "layers must be non-negative, unique and ascending", field="layers")
-    with session.begin():
-        job = repo.create_job(session, name=body.name, layers=body.layers, samples=rows)
+# --- creation -------------------------------------------------------------------------------
+
+
+def _replay(job: Job, digest: str) -> JobOut:
+    """The answer to a request whose Idempotency-Key was seen before."""
+    if job.request_sha256 != digest:
+        raise ProblemError(422, "this Idempotency-Key was already used with a different request",
+                           type_="/problems/idempotency-key-reused", field="Idempotency-Key")
     return job_out(job)
 
 
-@router.get("/{job_id}", response_model=JobOut, responses=PROBLEMS, summary="A job's state and progress")
+def _create_sync(sessions: sessionmaker, settings: Settings, limits: intake.Limits, body: JobCreate,
+                 key: str | None, digest: str) -> JobOut:
+    if key:
+        with sessions() as s:
+            existing = repo.job_by_idempotency_key(s, key)
+            if existing is not None:
+                return _replay(existing, digest)
+    if body.samples is not None:
+        items = intake.body_items(body.samples)
+    else:
+        items = intake.numbered_lines(intake.file_lines(intake.resolve_input_path(settings.input_root,
+                                                                                  body.input_path)))
+    try:
+        with sessions.begin() as s:
+            ingest = intake.Ingest(s, limits, name=body.name, layers=body.layers, idempotency_key=key,
+                                   request_sha256=digest)
+            for item in items:
+                ingest.feed(*item)
+            return job_out(ingest.finish())
+    except IntegrityError:
+        if not key:
+            raise
+        with sessions() as s:  # a concurrent request with the same key won the race
+            return _replay(repo.job_by_idempotency_key(s, key), digest)
+
+
+async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
+    seen = 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > limit:
+            raise ProblemError(413, f"request body exceeds {limit} bytes")
+        yield chunk
+
+
+async def _lines(request: Request, limit: int, digest) -> AsyncIterator[bytes]:
+    rest = b""
+    async for chunk in _body_chunks(request, limit):
+        digest.update(chunk)
+        rest += chunk
+        *lines, rest = rest.split(b"\n")
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
+
+
+async def _create_from_ndjson(request: Request, settings: Settings, limits: intake.Limits, name: str | None,
+                              layers: list[int] | None, key: str | None) -> JobOut:
+    sessions = request.app.state.sessions
+    digest = hashlib.sha256(json.dumps(["ndjson", name, layers]).encode())
+    if key:
+        existing = await run_in_threadpool(_find_key, sessions, key)
+        if existing is not None:
+            async for _ in _lines(request, settings.max_ndjson_bytes, digest):
+                pass
+            return _replay(existing, digest.hexdigest())
+    session = sessions()
+    try:
+        session.begin()
+        ingest = await run_in_threadpool(intake.Ingest, session, limits, name=name, layers=layers,
+                                         idempotency_key=key)
+        batch, index, lineno = [], 0, 0
+        async for line in _lines(request, settings.max_ndjson_bytes, digest):
+            lineno += 1
+            if not line.strip():
+                continue
+            batch.append(intake.parse_line(index, lineno, line))
+            index += 1
+            if len(batch) >= intake.BATCH:
+                await run_in_threadpool(_feed, ingest, batch)
+                batch = []
+        await run_in_threadpool(_feed, ingest, batch)
+        ingest.builder.job.request_sha256 = digest.hexdigest()
+        job = await run_in_threadpool(ingest.finish)
+        out = job_out(job)
+        await run_in_threadpool(session.commit)
+        return out
+    except IntegrityError:
+        await run_in_threadpool(session.rollback)
+        if not key:
+            raise
+        existing = await run_in_threadpool(_find_key, sessions, key)
+        return _replay(existing, digest.hexdigest())
+    except BaseException:
+        await run_in_threadpool(session.rollback)
+        raise
+    finally:
+        await run_in_threadpool(session.close)
+
+
+def _feed(ingest: intake.Ingest, batch: list) -> None:
+    for item in batch:
+        ingest.feed(*item)
+
+
+def _find_key(sessions: sessionmaker, key: str) -> Job | None:
+    with sessions() as s:
+        return repo.job_by_idempotency_key(s, key)
+
+
+@router.post("", status_code=202, response_model=JobOut, responses=_problems(413, 415, 422),
+             openapi_extra=CREATE_BODY,
+             summary="Create an extraction job",
+             description="Samples inline (`samples`), from a JSONL file under the service's input root "
+                         "(`input_path`), or streamed as an `application/x-ndjson` body (one sample per line; "
+                         "then `name` and `layers` come from the query string). All samples are checked before "
+                         "anything is stored. With an `Idempotency-Key` header, repeating the same request "
+                         "returns the first job; the same key with another body is a 422.")
+async def create_job(
+    request: Request,
+    settings: SettingsDep,
+    name: Annotated[str | None, Query(max_length=200, description="job name (NDJSON bodies only)")] = None,
+    layers: Annotated[str | None, Query(description="comma-separated layers (NDJSON bodies only)")] = None,
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> JobOut:
+    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    limits = await run_in_threadpool(request.app.state.backend.limits)
+    if media == "application/x-ndjson":
+        layer_list = None
+        if layers is not None:
+            try:
+                layer_list = check_layers([int(x) for x in layers.split(",")])
+            except ValueError as exc:
+                raise InvalidInput([{"field": "layers", "message": str(exc)}]) from None
+        return await _create_from_ndjson(request, settings, limits, name, layer_list, idempotency_key)
+    if media != "application/json":
+        raise ProblemError(415, f"send application/json or application/x-ndjson, not {media!r}")
+    raw = b"".join([c async for c in _body_chunks(request, settings.max_json_bytes)])
+    try:
+        body = JobCreate.model_validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidInput(errors_from_pydantic(exc.errors())) from None
+    digest = hashlib.sha256(b"json\0" + raw).hexdigest()
+    return await run_in_threadpool(_create_sync, request.app.state.sessions, settings, limits, body,
+                                   idempotency_key, digest)
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+@router.get("", response_model=JobPage, responses=_problems(422), summary="List jobs, newest first")
+def list_jobs(
+    session: ReadSessionDep,
+    state: JobState | None = None,
+    after: Annotated[str | None, Query(max_length=40, description="job id the previous page ended with")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> JobPage:
+    rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
+    page = rows[:limit]
+    return JobPage(data=[job_out(j) for j in page], has_more=len(rows) > limit,
+                   next_after=page[-1].id if len(rows) > limit else None)
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=_problems(404), summary="A job's state and progress")
 def get_job(job_id: str, session: ReadSessionDep) -> JobOut:
     return job_out(_job(session, job_id))
 
 
-@router.get("/{job_id}/samples", response_model=SamplePage, responses=PROBLEMS,
+@router.get("/{job_id}/events", responses={**_problems(404), 200: {"content": {"text/event-stream": {}},
+            "description": "`event: job` with the job as JSON whenever it changes; ends once it is finished"}},
+            response_class=StreamingResponse, summary="Live progress as server-sent events")
+async def job_events(job_id: str, request: Request):
+    sessions = request.app.state.read_sessions
+
+    def load() -> JobOut | None:
+        with sessions() as s:
+            job = repo.get_job(s, job_id)
+            return job_out(job) if job else None
+
+    first = await run_in_threadpool(load)
+    if first is None:
+        raise NotFound(f"job {job_id!r}")
+
+    async def stream() -> AsyncIterator[bytes]:
+        job, last, quiet = first, None, 0.0
+        while True:
+            text = job.model_dump_json(exclude={"rate_tokens_per_s", "eta_s"})
+            if text != last:
+                yield f"event: job\ndata: {job.model_dump_json()}\n\n".encode()
+                last, quiet = text, 0.0
+            elif quiet >= 15:
+                yield b": keep-alive\n\n"
+                quiet = 0.0
+            if job.state in TERMINAL_JOB_STATES or await request.is_disconnected():
+                return
+            await asyncio.sleep(0.5)
+            quiet += 0.5
+            job = await run_in_threadpool(load) or job
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/{job_id}/samples", response_model=SamplePage, responses=_problems(404, 422),
             summary="Per-sample state, token counts, attempts, errors and placement")
 def list_samples(
     job_id: str,
     session: ReadSessionDep,
     state: SampleState | None = None,
-    after: Annotated[str | None, Query(description="sample id the previous page ended with")] = None,
+    after: Annotated[str | None, Query(max_length=200, description="sample id the previous page ended with")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> SamplePage:
     _job(session, job_id)
@@ -106,7 +324,7 @@ def list_samples(
     if after is not None:
         anchor = repo.get_sample(session, job_id, after)
         if anchor is None:
-            raise ProblemError(422, f"no sample {after!r} in this job to continue after", field="after")
+            raise InvalidInput([{"field": "after", "message": f"no sample {after!r} in this job to continue after"}])
         after_idx = anchor.idx
     rows = repo.list_samples(session, job_id, state=state, after_idx=after_idx, limit=limit + 1)
     page = rows[:limit]
@@ -114,7 +332,7 @@ def list_samples(
                       next_after=page[-1].sample_id if len(rows) > limit else None)
 
 
-@router.get("/{job_id}/samples/{sample_id}", response_model=SampleOut, responses=PROBLEMS,
+@router.get("/{job_id}/samples/{sample_id}", response_model=SampleOut, responses=_problems(404),
             summary="One sample, with every attempt and its outcome")
 def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOut:
     _job(session, job_id)
@@ -124,21 +342,98 @@ def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOu
     return sample_out(s, repo.sample_attempts(session, s.pk))
 
 
-@router.get("/{job_id}/manifest", responses=PROBLEMS,
+@router.get("/{job_id}/samples/{sample_id}/tensors", responses={**_problems(404, 409), 200: {
+    "content": {"application/octet-stream": {}}, "description": "safetensors: input_ids, loss_mask, layer_<i>"}},
+    response_class=Response, summary="One stored sample's tensors as a small safetensors file")
+def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, settings: SettingsDep) -> Response:
+    from safetensors.torch import save
+
+    from app.storage.manifest import read_rows
+
+    job = _job(session, job_id)
+    s = repo.get_sample(session, job_id, sample_id)
+    if s is None:
+        raise NotFound(f"sample {sample_id!r}")
+    if s.state != "succeeded":
+        raise ProblemError(409, f"sample {sample_id!r} is {s.state}, not stored")
+    layers = (job.model_info or {}).get("layers", [])
+    tensors = read_rows(job_dir(settings.output_root, job_id) / s.shard, s.shard_offset, s.num_tokens, layers)
+    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"sample_id": s.sample_id,
+                                                                           "job_id": job_id})
+    return Response(data, media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="sample-{s.idx}.safetensors"'})
+
+
+@router.get("/{job_id}/manifest", responses=_problems(404),
             summary="The job's manifest: model, layers, shards (with sha256) and where each sample lies")
 def get_manifest(job_id: str, session: ReadSessionDep) -> dict:
     return manifest_document(session, _job(session, job_id))
 
 
-@router.get("/{job_id}/shards/{name}", responses=PROBLEMS, response_class=FileResponse,
-            summary="Download one shard (safetensors)")
-def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: SettingsDep):
+RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+@router.get("/{job_id}/shards/{name}", responses={**_problems(404, 416), 200: {
+    "content": {"application/octet-stream": {}}, "description": "the shard (safetensors); Range supported"}},
+    response_class=FileResponse, summary="Download one shard; supports Range, ETag (its sha256) and If-None-Match")
+def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: SettingsDep, request: Request):
     _job(session, job_id)
     # Only names recorded in the database are served, so no path from the URL reaches the disk.
     shard = repo.get_shard(session, job_id, name)
     if shard is None:
         raise NotFound(f"shard {name!r}")
+    etag = f'"{shard.sha256}"'
+    headers = {"ETag": etag, "X-Content-SHA256": shard.sha256, "Cache-Control": "private, max-age=0"}
+    if request.headers.get("if-none-match") in (etag, "*"):
+        return Response(status_code=304, headers=headers)
+    wanted = request.headers.get("range")
+    if wanted is not None:
+        m = RANGE.match(wanted.strip())
+        if m and m.group(1) and int(m.group(1)) >= shard.bytes:
+            raise ProblemError(416, f"range starts past the end of the {shard.bytes}-byte shard",
+                               headers={"Content-Range": f"bytes */{shard.bytes}"})
     path = job_dir(settings.output_root, job_id) / shard.name
-    return FileResponse(path, media_type="application/octet-stream", filename=shard.name,
-                        headers={"X-Content-SHA256": shard.sha256})
+    return FileResponse(path, media_type="application/octet-stream", filename=shard.name, headers=headers)
+
+
+# --- actions ----------------------------------------------------------------------------------
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut, responses=_problems(404, 409),
+             summary="Cancel: queued samples are cancelled; the one in flight finishes and is stored")
+def cancel_job(job_id: str, session: SessionDep) -> JobOut:
+    with session.begin():
+        job = _job(session, job_id)
+        cancelled = repo.cancel_job(session, job_id)
+        if cancelled is None:
+            raise ProblemError(409, f"job is {job.state}; only queued or running jobs can be cancelled",
+                               type_="/problems/invalid-transition")
+        return job_out(cancelled)
+
+
+@router.post("/{job_id}/retry", response_model=JobOut, responses=_problems(404, 409),
+             summary="Queue the job's failed samples again, with a fresh attempt budget")
+def retry_job(job_id: str, session: SessionDep) -> JobOut:
+    with session.begin():
+        job = _job(session, job_id)
+        if repo.retry_failed(session, job_id) is None:
+            why = "it has no failed samples" if job.n_failed == 0 else f"it is {job.state}"
+            raise ProblemError(409, f"job cannot be retried: {why}", type_="/problems/invalid-transition")
+        session.refresh(job)
+        return job_out(job)
+
+
+@router.delete("/{job_id}", status_code=204, response_class=Response, responses=_problems(404, 409),
+               summary="Delete a finished job's records, and with delete_files=true its shards and manifest")
+def delete_job(job_id: str, session: SessionDep, settings: SettingsDep,
+               delete_files: bool = False) -> Response:
+    with session.begin():
+        job = _job(session, job_id)
+        done = repo.delete_job(session, job_id)
+        if not done:
+            raise ProblemError(409, f"job is {job.state}; cancel it or let it finish first",
+                               type_="/problems/invalid-transition")
+    if delete_files:
+        shutil.rmtree(job_dir(settings.output_root, job.id), ignore_errors=True)
+    return Response(status_code=204)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
-JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+JobState = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
 SampleState = Literal["queued", "running", "staged", "succeeded", "failed", "cancelled"]
 
 
@@ -37,6 +37,17 @@ class JobCreate(BaseModel):
             raise ValueError("give exactly one of samples or input_path")
         return self
 
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v: list[int] | None) -> list[int] | None:
+        return None if v is None else check_layers(v)
+
+
+def check_layers(layers: list[int]) -> list[int]:
+    if not layers or layers != sorted(set(layers)) or layers[0] < 0:
+        raise ValueError("layers must be a non-empty list of non-negative, unique, ascending layer indices")
+    return layers
+
 
 class Counts(BaseModel):
     total: int
@@ -61,8 +72,9 @@ class JobOut(BaseModel):
     state: JobState
     error: str | None
     created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    started_at: datetime | None = Field(description="when its first sample was claimed")
+    cancel_requested_at: datetime | None
+    finished_at: datetime | None = Field(description="when it reached succeeded, failed or cancelled")
     counts: Counts
     tokens: Tokens
     rate_tokens_per_s: float | None
@@ -71,6 +83,13 @@ class JobOut(BaseModel):
     layers: list[int] | None
     model: dict | None
     manifest_url: str
+
+
+class JobPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobOut]
+    has_more: bool
+    next_after: str | None = Field(description="pass as ?after= for the next page")
 
 
 class AttemptOut(BaseModel):

@@ -26,7 +26,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # SQLite only auto-increments an INTEGER PRIMARY KEY; Postgres wants 64-bit keys for big jobs.
 BigPk = BigInteger().with_variant(Integer(), "sqlite")
 
-JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+JOB_STATES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
+ACTIVE_JOB_STATES = ("queued", "running", "cancelling")
+TERMINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
 SAMPLE_STATES = ("queued", "running", "staged", "succeeded", "failed", "cancelled")
 TERMINAL_SAMPLE_STATES = ("succeeded", "failed", "cancelled")
 
@@ -44,7 +46,11 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Idempotency-Key of the creating request and a hash of its body: a replay returns this job.
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
+    request_sha256: Mapped[str | None] = mapped_column(String(64))
     # What the first sample's dump said about the model: every later sample must agree.
     model_info: Mapped[dict | None] = mapped_column(JSON)
     # Captured layers the job asks for; NULL takes whatever the server captures.

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import case, exists, func, select, update
+from sqlalchemy import case, delete, exists, select, update
 from sqlalchemy.orm import Session, aliased
 
-from app.db.models import Attempt, Job, Sample, Shard
+from app.db.models import TERMINAL_JOB_STATES, Attempt, Job, Sample, Shard
 
 
 def utcnow() -> datetime:
@@ -54,25 +54,118 @@ class Claimed:
 # --- jobs -------------------------------------------------------------------------------
 
 
+class JobBuilder:
+    """Insert a job and its samples batch by batch inside the caller's transaction.
+
+    Samples can stream in (a JSONL upload of a million lines never sits in memory whole); the
+    job's counters are set once at the end, and a rollback leaves nothing behind.
+    """
+
+    def __init__(self, session: Session, *, name: str | None, layers: list[int] | None,
+                 idempotency_key: str | None = None, request_sha256: str | None = None):
+        self.session = session
+        self.job = Job(id=new_job_id(), name=name, state="queued", created_at=utcnow(), layers=layers,
+                       idempotency_key=idempotency_key, request_sha256=request_sha256,
+                       num_samples=0, tokens_total=0, tokens_done=0, tokens_staged=0, n_queued=0, n_running=0,
+                       n_staged=0, n_succeeded=0, n_failed=0, n_cancelled=0, shards_written=0)
+        session.add(self.job)
+        session.flush()
+        self.count = 0
+        self.tokens = 0
+
+    def add(self, samples: list[NewSample]) -> None:
+        if not samples:
+            return
+        now = self.job.created_at
+        self.session.execute(Sample.__table__.insert(), [
+            {"job_id": self.job.id, "idx": self.count + i, "sample_id": s.sample_id, "state": "queued",
+             "input_ids": s.input_ids, "loss_mask": s.loss_mask, "num_tokens": s.num_tokens, "attempts": 0,
+             "tries": 0, "updated_at": now}
+            for i, s in enumerate(samples)
+        ])
+        self.count += len(samples)
+        self.tokens += sum(s.num_tokens for s in samples)
+
+    def has_sample_id(self, sample_id: str) -> bool:
+        return self.session.execute(
+            select(Sample.pk).where(Sample.job_id == self.job.id, Sample.sample_id == sample_id)
+        ).first() is not None
+
+    def finish(self) -> Job:
+        self.job.num_samples = self.job.n_queued = self.count
+        self.job.tokens_total = self.tokens
+        self.session.flush()
+        return self.job
+
+
 def create_job(session: Session, *, name: str | None, layers: list[int] | None, samples: list[NewSample]) -> Job:
     """Insert a job and all its samples, queued, in the caller's transaction."""
-    now = utcnow()
-    job = Job(
-        id=new_job_id(), name=name, state="queued", created_at=now, layers=layers,
-        num_samples=len(samples), tokens_total=sum(s.num_tokens for s in samples), tokens_done=0, tokens_staged=0,
-        n_queued=len(samples), n_running=0, n_staged=0, n_succeeded=0, n_failed=0, n_cancelled=0,
-        shards_written=0,
-    )
-    session.add(job)
+    builder = JobBuilder(session, name=name, layers=layers)
+    for start in range(0, len(samples), 5000):
+        builder.add(samples[start:start + 5000])
+    return builder.finish()
+
+
+def job_by_idempotency_key(session: Session, key: str) -> Job | None:
+    return session.execute(select(Job).where(Job.idempotency_key == key)).scalar_one_or_none()
+
+
+def list_jobs(session: Session, *, state: str | None, after: str | None, limit: int) -> list[Job]:
+    """Newest first; `after` is the id the previous page ended with (ids sort by creation)."""
+    q = select(Job)
+    if state:
+        q = q.where(Job.state == state)
+    if after:
+        q = q.where(Job.id < after)
+    return list(session.execute(q.order_by(Job.id.desc()).limit(limit)).scalars())
+
+
+def _lock_job(session: Session, job_id: str) -> Job | None:
+    """Read the job row for update: cancel, retry and sample outcomes on one job serialise here."""
+    return session.execute(select(Job).where(Job.id == job_id).with_for_update()).scalar_one_or_none()
+
+
+def cancel_job(session: Session, job_id: str) -> Job | None:
+    """Queued samples are cancelled now; running or staged ones finish and are stored.
+    Returns None when the job is already finished (nothing to cancel)."""
+    job = _lock_job(session, job_id)
+    if job is None or job.state not in ("queued", "running"):
+        return None
+    job.state, job.cancel_requested_at = "cancelling", utcnow()
     session.flush()
-    rows = [
-        {"job_id": job.id, "idx": i, "sample_id": s.sample_id, "state": "queued", "input_ids": s.input_ids,
-         "loss_mask": s.loss_mask, "num_tokens": s.num_tokens, "attempts": 0, "tries": 0, "updated_at": now}
-        for i, s in enumerate(samples)
-    ]
-    for start in range(0, len(rows), 5000):
-        session.execute(Sample.__table__.insert(), rows[start:start + 5000])
+    pks = session.execute(select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "queued")).scalars().all()
+    _transition(session, job_id, list(pks), "queued", "cancelled", {"writer": None})
+    finish_job_if_done(session, job_id)
+    session.refresh(job)
     return job
+
+
+def retry_failed(session: Session, job_id: str) -> int | None:
+    """Queue the job's failed samples again with a fresh attempt budget. None: not allowed now."""
+    job = _lock_job(session, job_id)
+    if job is None or job.state in ("cancelling", "cancelled") or job.n_failed == 0:
+        return None
+    pks = session.execute(select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "failed")).scalars().all()
+    moved = _transition(session, job_id, list(pks), "failed", "queued", {"attempts": 0, "writer": None})
+    session.execute(update(Job).where(Job.id == job_id)
+                    .values(state=case((Job.started_at.is_(None), "queued"), else_="running"),
+                            finished_at=None, error=None))
+    return moved
+
+
+def delete_job(session: Session, job_id: str) -> bool | None:
+    """Delete a finished job's rows. None: not found; False: not finished yet."""
+    job = _lock_job(session, job_id)
+    if job is None:
+        return None
+    if job.state not in TERMINAL_JOB_STATES:
+        return False
+    sample_pks = select(Sample.pk).where(Sample.job_id == job_id)
+    session.execute(delete(Attempt).where(Attempt.sample_pk.in_(sample_pks)))
+    session.execute(delete(Sample).where(Sample.job_id == job_id))
+    session.execute(delete(Shard).where(Shard.job_id == job_id))
+    session.execute(delete(Job).where(Job.id == job_id))
+    return True
 
 
 def get_job(session: Session, job_id: str) -> Job | None:
@@ -89,10 +182,11 @@ def finish_job_if_done(session: Session, job_id: str) -> bool:
     """Move a job to its terminal state once no sample is queued, running or staged."""
     result = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.state.in_(("queued", "running")),
+        .where(Job.id == job_id, Job.state.in_(("queued", "running", "cancelling")),
                Job.n_queued == 0, Job.n_running == 0, Job.n_staged == 0)
         .values(
-            state=case((Job.n_failed > 0, "failed"), (Job.n_succeeded == 0, "cancelled"), else_="succeeded"),
+            state=case((Job.state == "cancelling", "cancelled"), (Job.n_failed > 0, "failed"),
+                       else_="succeeded"),
             finished_at=utcnow(),
         )
     )
@@ -147,9 +241,11 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
     Postgres (SKIP LOCKED lets several writers claim different rows at once); the partial
     unique index on running samples per writer is the backstop.
     """
-    pick = select(Sample.pk).where(Sample.state == "queued").order_by(Sample.job_id, Sample.idx).limit(1)
+    pick = (select(Sample.pk).join(Job, Job.id == Sample.job_id)
+            .where(Sample.state == "queued", Job.state.in_(("queued", "running")))
+            .order_by(Sample.job_id, Sample.idx).limit(1))
     if session.get_bind().dialect.name == "postgresql":
-        pick = pick.with_for_update(skip_locked=True)
+        pick = pick.with_for_update(skip_locked=True, of=Sample)
     other = aliased(Sample)
     busy = exists().where(other.state == "running", other.writer == writer)
     row = session.execute(
@@ -193,6 +289,12 @@ def mark_staged(session: Session, c: Claimed, *, staged_path: str, observed_toke
                        {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None}) == 1
 
 
+def _requeue_state(session: Session, job_id: str) -> str:
+    """Where a sample goes for another attempt: the queue, unless its job is being cancelled."""
+    job = _lock_job(session, job_id)
+    return "cancelled" if job is not None and job.state == "cancelling" else "queued"
+
+
 def record_failed_attempt(session: Session, c: Claimed, *, reason: str, max_attempts: int,
                           observed_tokens: int | None = None, dump_key: str | None = None,
                           boot_id: str | None = None) -> str:
@@ -200,7 +302,7 @@ def record_failed_attempt(session: Session, c: Claimed, *, reason: str, max_atte
     final = c.attempt >= max_attempts
     _close_attempt(session, c.attempt_pk, "failed" if final else "retry", reason,
                    observed_tokens=observed_tokens, dump_key=dump_key, boot_id=boot_id)
-    dst = "failed" if final else "queued"
+    dst = "failed" if final else _requeue_state(session, c.job_id)
     values = {"last_error": reason, "observed_tokens": observed_tokens}
     if not final:
         values["writer"] = None
@@ -211,7 +313,7 @@ def record_failed_attempt(session: Session, c: Claimed, *, reason: str, max_atte
 def release_interrupted(session: Session, c: Claimed, *, reason: str) -> None:
     """Give the sample back without spending an attempt: the server, not the sample, failed."""
     _close_attempt(session, c.attempt_pk, "interrupted", reason)
-    _transition(session, c.job_id, [c.sample_pk], "running", "queued",
+    _transition(session, c.job_id, [c.sample_pk], "running", _requeue_state(session, c.job_id),
                 {"writer": None, "attempts": Sample.attempts - 1, "last_error": reason})
 
 
@@ -227,7 +329,7 @@ def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, i
             update(Attempt).where(Attempt.sample_pk == pk, Attempt.outcome.is_(None))
             .values(outcome="interrupted", reason="service stopped during the attempt", finished_at=utcnow())
         )
-        requeued += _transition(session, job_id, [pk], "running", "queued",
+        requeued += _transition(session, job_id, [pk], "running", _requeue_state(session, job_id),
                                 {"writer": None, "attempts": Sample.attempts - 1})
     staged = session.execute(
         select(Sample.pk, Sample.job_id, Sample.staged_path).where(Sample.writer == writer, Sample.state == "staged")
@@ -316,7 +418,3 @@ def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
             return
         yield from rows
         last = rows[-1].idx
-
-
-def count_samples(session: Session) -> int:
-    return session.execute(select(func.count()).select_from(Sample)).scalar_one()

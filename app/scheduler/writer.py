@@ -24,6 +24,7 @@ from app.backends.sglang import BackendRejected, BackendUnavailable, SGLangClien
 from app.config import Settings
 from app.db import repository as repo
 from app.manifests import job_dir, write_manifest
+from app.scheduler.metrics import WriterMetrics
 from app.scheduler.server_check import dump_breaking_settings
 from app.storage.shards import ShardSample, shard_name, write_shard
 
@@ -67,6 +68,7 @@ class Writer:
         self.staging = settings.resolved_staging_dir()
         self.client = SGLangClient(settings.backend_url, settings.request_timeout_s)
         self.status = WriterStatus()
+        self.metrics = WriterMetrics()
         self.extractor: Extractor | None = None
         self._model_info: dict = {}
         self._checked_at = 0.0
@@ -165,10 +167,12 @@ class Writer:
         info = c.job_model_info or {}
         expect = Expectation(layers=info.get("layers", c.job_layers), hidden_size=info.get("hidden_size"),
                              dtype=info.get("dtype"))
+        started = time.monotonic()
         try:
             dump = self.extractor.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}",
                                           expect=expect)
         except BackendUnavailable as exc:
+            self.metrics.attempt("interrupted", "server_unavailable")
             self.extractor = None
             with self.sessions.begin() as s:
                 repo.release_interrupted(s, c, reason=f"model server unavailable: {exc}")
@@ -181,10 +185,12 @@ class Writer:
             else:
                 log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
                 reason = f"internal_error: {type(exc).__name__}: {exc}"
+            self.metrics.attempt("failed", reason)
             with self.sessions.begin() as s:
                 outcome = repo.record_failed_attempt(s, c, reason=reason, max_attempts=self.settings.max_attempts)
             log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
             return
+        self.metrics.backend_latency(time.monotonic() - started)
         meta = dump.meta
         model = dict(self._model_info, layers=[int(i) for i in meta["layers"]],
                      hidden_size=int(meta["hidden_size"]), dtype=meta["dtype"])
@@ -197,6 +203,8 @@ class Writer:
                 return
             repo.mark_staged(s, c, staged_path=str(dump.path), observed_tokens=dump.num_tokens,
                              dump_key=dump.key, boot_id=meta.get("boot_id"))
+        self.metrics.attempt("ok")
+        self.metrics.extracted(dump.num_tokens, dump.nbytes)
         pending = self._pending[c.job_id]
         pending.bytes += dump.nbytes
         if pending.bytes >= self.settings.shard_max_bytes:

@@ -22,7 +22,10 @@ def upgrade() -> None:
     sa.Column('error', sa.Text(), nullable=True),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('started_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('cancel_requested_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('idempotency_key', sa.String(length=255), nullable=True),
+    sa.Column('request_sha256', sa.String(length=64), nullable=True),
     sa.Column('model_info', sa.JSON(), nullable=True),
     sa.Column('layers', sa.JSON(), nullable=True),
     sa.Column('num_samples', sa.Integer(), nullable=False),
@@ -36,7 +39,8 @@ def upgrade() -> None:
     sa.Column('n_failed', sa.Integer(), nullable=False),
     sa.Column('n_cancelled', sa.Integer(), nullable=False),
     sa.Column('shards_written', sa.Integer(), nullable=False),
-    sa.PrimaryKeyConstraint('id')
+    sa.PrimaryKeyConstraint('id'),
+    sa.UniqueConstraint('idempotency_key')
     )
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.create_index('ix_jobs_state', ['state'], unique=False)

@@ -1,0 +1,49 @@
+"""Bearer tokens from configuration; read-only tokens may only read."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI, Request
+
+from app.api.problems import problem_response
+
+OPEN_PATHS = {"/healthz"}
+READ_METHODS = {"GET", "HEAD", "OPTIONS"}
+
+
+def parse_tokens(spec: str) -> dict[str, str]:
+    """"tok1,tok2:read" -> {"tok1": "write", "tok2": "read"}."""
+    tokens = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        token, _, role = part.partition(":")
+        tokens[token] = "read" if role == "read" else "write"
+    return tokens
+
+
+def install(app: FastAPI, spec: str) -> None:
+    tokens = parse_tokens(spec)
+    if not tokens:
+        return
+
+    def role_of(presented: str) -> str | None:
+        found = None
+        for token, role in tokens.items():  # compare with every token, in constant time each
+            if hmac.compare_digest(token.encode(), presented.encode()):
+                found = role
+        return found
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if request.url.path in OPEN_PATHS:
+            return await call_next(request)
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        role = role_of(presented.strip()) if scheme.lower() == "bearer" and presented else None
+        if role is None:
+            return problem_response(401, "Unauthorized", "a valid bearer token is required",
+                                    "/problems/unauthorized", {"WWW-Authenticate": 'Bearer realm="hsx"'})
+        if role == "read" and request.method not in READ_METHODS:
+            return problem_response(403, "Forbidden", "this token may only read", "/problems/forbidden")
+        return await call_next(request)

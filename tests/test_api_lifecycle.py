@@ -1,0 +1,205 @@
+"""The API users drive over HTTP: lifecycle actions, idempotency, streaming, downloads, events, metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load
+
+from app.storage.manifest import load_manifest, read_sample
+from tests.support.stack import VOCAB, start_reference, start_service
+from tests.test_extraction_e2e import assert_stored_exactly, make_samples
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def stack(request, tmp_path_factory, checkpoint):
+    tmp = tmp_path_factory.mktemp(f"life-{request.param}")
+    url = (f"sqlite:///{tmp / 'hsx.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("postgres_module_url"))
+    ref = start_reference(tmp, checkpoint)
+    svc = start_service(tmp, url, backend_url=ref.url, dump_root=ref.dump_root,
+                        extra=["--shard-max-bytes", "100000", "--max-json-bytes", "2000000"])
+    yield svc, ref
+    svc.stop()
+    ref.stop()
+
+
+def test_list_jobs_pages_newest_first(stack):
+    svc, _ = stack
+    ids = [svc.post_job({"name": f"list-{i}", "samples": make_samples(1, seed=100 + i)}).json()["id"]
+           for i in range(3)]
+    for job_id in ids:
+        svc.wait_job(job_id)
+    first = svc.get("/v1/jobs", params={"limit": 2}).json()
+    assert first["has_more"] and len(first["data"]) == 2
+    rest = svc.get("/v1/jobs", params={"limit": 1000, "after": first["next_after"]}).json()
+    listed = [j["id"] for j in first["data"] + rest["data"]]
+    assert listed == sorted(listed, reverse=True)
+    assert listed.index(ids[2]) < listed.index(ids[1]) < listed.index(ids[0])
+    succeeded = svc.get("/v1/jobs", params={"state": "succeeded", "limit": 1000}).json()["data"]
+    assert {j["state"] for j in succeeded} == {"succeeded"} and set(ids) <= {j["id"] for j in succeeded}
+
+
+def test_cancel_stores_what_was_in_flight_and_nothing_half(stack, recompute):
+    svc, _ = stack
+    samples = make_samples(40, seed=11, lo=30, hi=120)
+    job = svc.post_job({"samples": samples}).json()
+    deadline = time.monotonic() + 60
+    while svc.get(f"/v1/jobs/{job['id']}").json()["counts"]["queued"] == 40 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    resp = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["state"] in ("cancelling", "cancelled") and resp.json()["cancel_requested_at"]
+    final = svc.wait_job(job["id"])
+    c = final["counts"]
+    assert final["state"] == "cancelled" and final["finished_at"]
+    assert c["succeeded"] + c["cancelled"] == 40 and c["queued"] == c["running"] == c["staged"] == 0
+    assert c["cancelled"] > 0
+    stored = [s for s in samples if s["id"] in {x["id"] for x in load_manifest(svc.output_root / job["id"])["samples"]}]
+    assert len(stored) == c["succeeded"]
+    manifest = load_manifest(svc.output_root / job["id"])
+    for s in stored:
+        got = read_sample(svc.output_root / job["id"], manifest, s["id"])
+        assert torch.equal(got["layer_8"], recompute(s["input_ids"])[8])
+    again = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel")
+    assert again.status_code == 409 and again.headers["content-type"].startswith("application/problem+json")
+
+
+def test_retry_and_delete(stack):
+    svc, _ = stack
+    # The server captures [2, 4, 5, 8]; a job asking for other layers fails every sample.
+    job = svc.wait_job(svc.post_job({"samples": make_samples(2, seed=12), "layers": [1, 2]}).json()["id"])
+    assert job["state"] == "failed" and job["counts"]["failed"] == 2
+    failed = svc.get(f"/v1/jobs/{job['id']}/samples", params={"state": "failed"}).json()["data"]
+    assert len(failed) == 2 and all("layers" in s["last_error"] for s in failed)
+    resp = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/retry")
+    assert resp.status_code == 200 and resp.json()["counts"]["queued"] + resp.json()["counts"]["running"] >= 1
+    job = svc.wait_job(job["id"])
+    assert job["state"] == "failed"  # still the wrong layers: failed again, with its reason
+    ok = svc.wait_job(svc.post_job({"samples": make_samples(1, seed=13)}).json()["id"])
+    assert svc.client.post(f"{svc.url}/v1/jobs/{ok['id']}/retry").status_code == 409
+    running = svc.post_job({"samples": make_samples(30, seed=14, lo=60, hi=120)}).json()
+    refused = svc.client.delete(f"{svc.url}/v1/jobs/{running['id']}")
+    assert refused.status_code in (409, 204)
+    if refused.status_code == 409:
+        svc.client.post(f"{svc.url}/v1/jobs/{running['id']}/cancel")
+        svc.wait_job(running["id"])
+    assert (svc.output_root / ok["id"] / "manifest.json").exists()
+    assert svc.client.delete(f"{svc.url}/v1/jobs/{ok['id']}", params={"delete_files": "true"}).status_code == 204
+    assert svc.get(f"/v1/jobs/{ok['id']}").status_code == 404
+    assert not (svc.output_root / ok["id"]).exists()
+
+
+def test_idempotency_key(stack):
+    svc, _ = stack
+    body = {"samples": make_samples(2, seed=20)}
+    first = svc.client.post(svc.url + "/v1/jobs", json=body, headers={"Idempotency-Key": "k-1"})
+    second = svc.client.post(svc.url + "/v1/jobs", json=body, headers={"Idempotency-Key": "k-1"})
+    assert first.status_code == second.status_code == 202
+    assert first.json()["id"] == second.json()["id"]
+    other = svc.client.post(svc.url + "/v1/jobs", json={"samples": make_samples(3, seed=21)},
+                            headers={"Idempotency-Key": "k-1"})
+    assert other.status_code == 422 and "Idempotency-Key" in other.json()["detail"]
+    lines = "".join(json.dumps(s) + "\n" for s in make_samples(3, seed=22)).encode()
+    nd = {"content-type": "application/x-ndjson", "Idempotency-Key": "k-2"}
+    a = svc.client.post(svc.url + "/v1/jobs", content=lines, headers=nd)
+    b = svc.client.post(svc.url + "/v1/jobs", content=lines, headers=nd)
+    assert a.status_code == b.status_code == 202 and a.json()["id"] == b.json()["id"]
+    c = svc.client.post(svc.url + "/v1/jobs", content=lines + lines[:0] + b"\n", headers=nd)
+    assert c.status_code == 422
+
+
+def test_ndjson_stream_and_backend_validation(stack):
+    svc, _ = stack
+    n = 3000
+
+    def body():
+        for i in range(n):
+            yield (json.dumps({"id": f"nd-{i}", "input_ids": [i % VOCAB, 1, 2]}) + "\n").encode()
+
+    before = svc.get("/v1/jobs", params={"limit": 1000}).json()["data"]
+    resp = svc.client.post(svc.url + "/v1/jobs", content=body(), params={"name": "streamed", "layers": "2,4,5,8"},
+                           headers={"content-type": "application/x-ndjson"})
+    assert resp.status_code == 202, resp.text
+    job = resp.json()
+    assert job["counts"]["total"] == n and job["tokens"]["total"] == 3 * n and job["layers"] == [2, 4, 5, 8]
+    svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel")
+
+    bad = [json.dumps({"input_ids": [1, 2]}), json.dumps({"input_ids": [VOCAB]}), "{oops"]
+    resp = svc.client.post(svc.url + "/v1/jobs", content="\n".join(bad).encode(),
+                           headers={"content-type": "application/x-ndjson"})
+    assert resp.status_code == 422
+    assert [(e["sample_index"], e["line"], e["field"]) for e in resp.json()["errors"]] == [
+        (1, 2, "input_ids.0"), (2, 3, "sample")]
+    too_long = svc.post_job({"samples": [{"input_ids": [1] * 5000}]})
+    assert too_long.status_code == 422 and "limit" in too_long.json()["errors"][0]["message"]
+    after = svc.get("/v1/jobs", params={"limit": 1000}).json()["data"]
+    assert len(after) == len(before) + 1
+    plain = svc.client.post(svc.url + "/v1/jobs", content=b"x", headers={"content-type": "text/plain"})
+    assert plain.status_code == 415
+    big = svc.post_job({"samples": [{"input_ids": [1] * 1000}] * 1500})  # ~3 MB of compact JSON
+    assert big.status_code == 413 and big.headers["content-type"].startswith("application/problem+json")
+
+
+def test_downloads_events_and_metrics(stack, recompute):
+    svc, _ = stack
+    samples = make_samples(5, seed=30)
+    job_id = svc.post_job({"samples": samples}).json()["id"]
+    states = []
+    with svc.client.stream("GET", f"{svc.url}/v1/jobs/{job_id}/events", timeout=120) as events:
+        assert events.headers["content-type"].startswith("text/event-stream")
+        for line in events.iter_lines():
+            if line.startswith("data: "):
+                states.append(json.loads(line[6:])["state"])
+    assert states[-1] == "succeeded" and len(states) >= 2
+    job = svc.get(f"/v1/jobs/{job_id}").json()
+    manifest = assert_stored_exactly(svc, job, samples, recompute)
+
+    shard = manifest["shards"][0]
+    url = f"{svc.url}/v1/jobs/{job_id}/shards/{shard['name']}"
+    whole = svc.client.get(url)
+    assert whole.headers["etag"] == f'"{shard["sha256"]}"'
+    assert hashlib.sha256(whole.content).hexdigest() == shard["sha256"]
+    part = svc.client.get(url, headers={"Range": "bytes=100-199"})
+    assert part.status_code == 206 and part.content == whole.content[100:200]
+    assert part.headers["content-range"] == f"bytes 100-199/{shard['bytes']}"
+    assert svc.client.get(url, headers={"If-None-Match": whole.headers["etag"]}).status_code == 304
+    past = svc.client.get(url, headers={"Range": f"bytes={shard['bytes']}-"})
+    assert past.status_code == 416 and past.headers["content-type"].startswith("application/problem+json")
+
+    one = svc.client.get(f"{svc.url}/v1/jobs/{job_id}/samples/{samples[2]['id']}/tensors")
+    assert one.status_code == 200
+    tensors = load(one.content)
+    assert tensors["input_ids"].tolist() == samples[2]["input_ids"]
+    assert torch.equal(tensors["layer_5"], recompute(samples[2]["input_ids"])[5])
+
+    text = svc.get("/metrics").text
+    assert 'hsx_samples{state="succeeded"}' in text and "hsx_backend_request_seconds_bucket" in text
+    assert 'hsx_attempts_total{outcome="ok",reason=""}' in text and "hsx_tokens_per_second" in text
+
+
+def test_tokens_guard_everything_but_health(tmp_path):
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'auth.db'}",
+                        extra=["--no-writer", "--api-tokens", "writer-secret,reader-secret:read"])
+    try:
+        c = httpx.Client(base_url=svc.url)
+        assert c.get("/healthz").status_code == 200
+        for path in ("/v1/jobs", "/metrics", "/openapi.json", "/docs"):
+            r = c.get(path)
+            assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+            assert r.headers["content-type"].startswith("application/problem+json")
+        assert c.get("/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 401
+        read = {"Authorization": "Bearer reader-secret"}
+        assert c.get("/v1/jobs", headers=read).status_code == 200
+        denied = c.post("/v1/jobs", json={"samples": [{"input_ids": [1]}]}, headers=read)
+        assert denied.status_code == 403 and denied.json()["status"] == 403
+        ok = c.post("/v1/jobs", json={"samples": [{"input_ids": [1]}]},
+                    headers={"Authorization": "Bearer writer-secret"})
+        assert ok.status_code == 202
+    finally:
+        svc.stop()
