@@ -15,6 +15,7 @@ from app.api.backend_info import BackendInfo
 from app.api.deps import ReadSessionDep
 from app.api.schemas import Health, JobCreate
 from app.config import Settings
+from app.db import repository as repo
 from app.db.engine import make_engine, session_factory, upgrade
 from app.db.models import SAMPLE_STATES, Job
 from app.scheduler.writer import Writer
@@ -63,8 +64,12 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
         if w is not None:
             status = {"identity": w.identity, "state": w.status.state, "reason": w.status.reason,
                       "server": w.status.server}
+        writers = []
+        if db == "ok":
+            writers = [{"identity": w.identity, "state": w.state, "reason": w.reason, "server": w.server,
+                        "heartbeat_at": w.heartbeat_at.isoformat()} for w in repo.live_writers(session)]
         ok = db == "ok" and (status is None or status["state"] == "ready")
-        return Health(status="ok" if ok else "degraded", database=db, writer=status)
+        return Health(status="ok" if ok else "degraded", database=db, writer=status, writers=writers)
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["health"],
              summary="Prometheus metrics: samples by state, tokens per second, backend latency, retries by reason")

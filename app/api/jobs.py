@@ -66,7 +66,8 @@ CREATE_BODY = {
 }
 
 
-def job_out(job: Job) -> JobOut:
+def job_out(job: Job, waiting: str | None = None) -> JobOut:
+    """The API's view of a job; `waiting` is why active jobs make no progress (see repo.waiting_reason)."""
     rate = eta = None
     started = utc(job.started_at)
     if started is not None:
@@ -78,6 +79,7 @@ def job_out(job: Job) -> JobOut:
             eta = 0.0 if job.finished_at else (job.tokens_total - extracted) / rate
     return JobOut(
         id=job.id, name=job.name, state=job.state, error=job.error, created_at=utc(job.created_at),
+        waiting_reason=waiting if job.state in ("queued", "running") and (job.n_queued or job.n_running) else None,
         started_at=started, cancel_requested_at=utc(job.cancel_requested_at), finished_at=utc(job.finished_at),
         counts=Counts(total=job.num_samples, queued=job.n_queued, running=job.n_running, staged=job.n_staged,
                       succeeded=job.n_succeeded, failed=job.n_failed, cancelled=job.n_cancelled),
@@ -267,13 +269,15 @@ def list_jobs(
 ) -> JobPage:
     rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
     page = rows[:limit]
-    return JobPage(data=[job_out(j) for j in page], has_more=len(rows) > limit,
+    waiting = repo.waiting_reason(session)
+    return JobPage(data=[job_out(j, waiting) for j in page], has_more=len(rows) > limit,
                    next_after=page[-1].id if len(rows) > limit else None)
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=_problems(404), summary="A job's state and progress")
 def get_job(job_id: str, session: ReadSessionDep) -> JobOut:
-    return job_out(_job(session, job_id))
+    job = _job(session, job_id)
+    return job_out(job, repo.waiting_reason(session))
 
 
 @router.get("/{job_id}/events", responses={**_problems(404), 200: {"content": {"text/event-stream": {}},
@@ -285,7 +289,7 @@ async def job_events(job_id: str, request: Request):
     def load() -> JobOut | None:
         with sessions() as s:
             job = repo.get_job(s, job_id)
-            return job_out(job) if job else None
+            return job_out(job, repo.waiting_reason(s)) if job else None
 
     first = await run_in_threadpool(load)
     if first is None:

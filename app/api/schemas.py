@@ -70,7 +70,8 @@ class JobOut(BaseModel):
     object: Literal["job"] = "job"
     name: str | None
     state: JobState
-    error: str | None
+    error: str | None = Field(description="why the job failed as a whole, e.g. the server captures other layers")
+    waiting_reason: str | None = Field(None, description="why an active job makes no progress right now")
     created_at: datetime
     started_at: datetime | None = Field(description="when its first sample was claimed")
     cancel_requested_at: datetime | None
@@ -126,7 +127,8 @@ class SamplePage(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "degraded"]
     database: str
-    writer: dict | None
+    writer: dict | None = Field(description="this process's writer, when it runs one")
+    writers: list[dict] = Field(default_factory=list, description="every writer that reported recently")
 
 
 def utc(dt: datetime | None) -> datetime | None:

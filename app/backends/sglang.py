@@ -42,6 +42,10 @@ class SGLangClient:
             raise BackendRejected(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:500]}")
         return resp
 
+    def health(self) -> None:
+        """Raises BackendUnavailable until the server says it is ready (SGLang: 503 while starting)."""
+        self._request("GET", "/health")
+
     def model_info(self) -> dict:
         return self._request("GET", "/get_model_info").json()
 

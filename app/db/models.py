@@ -144,3 +144,16 @@ class Shard(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (UniqueConstraint("job_id", "name", name="uq_shards_job_name"),)
+
+
+class WriterRecord(Base):
+    """Each dump-root writer's last reported state: jobs show why they wait, /healthz shows all writers."""
+
+    __tablename__ = "writers"
+
+    identity: Mapped[str] = mapped_column(String(500), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    server: Mapped[dict | None] = mapped_column(JSON)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

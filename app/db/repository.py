@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from sqlalchemy import case, delete, exists, select, update
 from sqlalchemy.orm import Session, aliased
 
-from app.db.models import TERMINAL_JOB_STATES, Attempt, Job, Sample, Shard
+from app.db.models import TERMINAL_JOB_STATES, Attempt, Job, Sample, Shard, WriterRecord
 
 
 def utcnow() -> datetime:
@@ -418,3 +418,31 @@ def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
             return
         yield from rows
         last = rows[-1].idx
+
+
+# --- writers ----------------------------------------------------------------------------------
+
+WRITER_STALE_S = 30.0
+
+
+def report_writer(session: Session, identity: str, *, state: str, reason: str | None, server: dict | None,
+                  started_at: datetime) -> None:
+    values = {"state": state, "reason": reason, "server": server, "heartbeat_at": utcnow()}
+    if session.execute(update(WriterRecord).where(WriterRecord.identity == identity).values(values)).rowcount == 0:
+        session.add(WriterRecord(identity=identity, started_at=started_at, **values))
+
+
+def live_writers(session: Session) -> list[WriterRecord]:
+    since = datetime.fromtimestamp(time.time() - WRITER_STALE_S, timezone.utc)
+    return list(session.execute(select(WriterRecord).where(WriterRecord.heartbeat_at >= since)
+                                .order_by(WriterRecord.identity)).scalars())
+
+
+def waiting_reason(session: Session) -> str | None:
+    """Why active jobs make no progress now, or None while some writer is ready."""
+    writers = live_writers(session)
+    if not writers:
+        return "no writer is running (start `hsx serve` with a dump root against this database)"
+    if any(w.state == "ready" for w in writers):
+        return None
+    return "; ".join(f"{w.identity}: {w.state}: {w.reason}" for w in writers)

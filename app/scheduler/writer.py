@@ -2,10 +2,19 @@
 
 Only one writer may use a dump root: the file-system lock (DumpRoot.acquire) stops a second
 process here, and the database allows one running sample per writer identity.
+
+Whatever breaks, a sample ends stored with its own tensors or failed with a reason:
+- the model server down or restarting: the attempt is given back unspent, the writer backs off
+  and waits for /health before it trusts the server again, re-reading its settings;
+- the database down: every state change after an extraction is retried until it lands (the
+  staged dump waits on disk meanwhile), and a crash in between is recovered at the next start;
+- the output disk full: no new sample is claimed; staged samples wait and the shard is
+  written again once there is room.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import socket
@@ -14,8 +23,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.backends.dumps import DumpRejected, DumpRoot, load_staged
@@ -30,9 +41,15 @@ from app.storage.shards import ShardSample, shard_name, write_shard
 
 log = logging.getLogger("hsx.writer")
 
+T = TypeVar("T")
 IDLE_POLL_S = 0.2
-MAX_BACKOFF_S = 30.0
+MAX_BACKOFF_S = 10.0
 SERVER_RECHECK_S = 60.0
+HEARTBEAT_S = 5.0
+DISK_RETRY_S = 2.0
+# rid mode: completed dumps nobody waits for (warm-up, health checks, other clients) are swept.
+SWEEP_EVERY_S = 60.0
+SWEEP_AGE_S = 120.0
 
 
 @dataclass
@@ -42,21 +59,30 @@ class WriterStatus:
     since: float = field(default_factory=time.time)
     server: dict | None = None
 
-    def set(self, state: str, reason: str | None = None) -> None:
-        if (state, reason) != (self.state, self.reason):
-            self.state, self.reason, self.since = state, reason, time.time()
-            if reason:
-                log.warning("writer %s: %s", state, reason)
+    def set(self, state: str, reason: str | None = None) -> bool:
+        """Returns whether anything changed."""
+        if (state, reason) == (self.state, self.reason):
+            return False
+        self.state, self.reason, self.since = state, reason, time.time()
+        if reason:
+            log.warning("writer %s: %s", state, reason)
+        return True
 
 
 @dataclass
 class _Pending:
+    """This writer's staged samples of one job that wait for their shard."""
+
     bytes: int = 0
     since: float = field(default_factory=time.monotonic)
 
 
 def writer_identity(dump_root: Path) -> str:
     return f"{socket.gethostname()}:{Path(dump_root).resolve()}"
+
+
+def _disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class Writer:
@@ -71,9 +97,17 @@ class Writer:
         self.metrics = WriterMetrics()
         self.extractor: Extractor | None = None
         self._model_info: dict = {}
+        self._server_layers: list[int] | None = None
+        self._boot_id: str | None = None
+        self._outage = False
         self._checked_at = 0.0
         self._backoff = 0.5
+        self._paused: str | None = None
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
+        self._manifests_due: set[str] = set()
+        self._started_at = repo.utcnow()
+        self._reported_at = 0.0
+        self._swept_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -86,11 +120,11 @@ class Writer:
 
     def start_thread(self) -> None:
         """Recover what a crash left behind, then run the loop in the background."""
-        with self.sessions.begin() as s:
-            requeued, kept = repo.recover_writer(s, self.identity, lambda p: (Path(p) / "done").exists())
-            # Samples staged before a restart join the next shard of their job.
-            for sample in repo.staged_samples(s, self.identity):
-                self._pending[sample.job_id]
+        requeued, kept = self._db(lambda s: repo.recover_writer(s, self.identity,
+                                                                lambda p: (Path(p) / "done").exists()))
+        # Samples staged before a restart join the next shard of their job.
+        for job_id in {x.job_id for x in self._db(lambda s: repo.staged_samples(s, self.identity))}:
+            self._pending[job_id]
         if requeued or kept:
             log.info("recovered: %d samples requeued, %d staged samples kept", requeued, kept)
         self._thread = threading.Thread(target=self._run, name="hsx-writer", daemon=True)
@@ -100,9 +134,13 @@ class Writer:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=self.settings.request_timeout_s + 10)
+        self.status.set("stopped")
+        try:
+            self._report(force=True)
+        except Exception:  # stopping must not fail because the database is gone
+            log.warning("could not record the writer's stop")
         self.client.close()
         self.root.release()
-        self.status.set("stopped")
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -112,21 +150,61 @@ class Writer:
                 log.exception("writer step failed")
                 self._stop.wait(1.0)
 
+    # --- database -----------------------------------------------------------------------------
+
+    def _db(self, fn: Callable[[Session], T]) -> T:
+        """Run fn in a transaction, retrying while the database is unreachable or locked."""
+        delay = 0.5
+        while True:
+            try:
+                with self.sessions.begin() as s:
+                    result = fn(s)
+                if self.status.state == "waiting" and (self.status.reason or "").startswith("database"):
+                    self.status.set("ready" if self.extractor else "starting")
+                return result
+            except (OperationalError, InterfaceError) as exc:
+                if self._stop.is_set():
+                    raise
+                self.status.set("waiting", f"database unavailable: {type(exc.orig).__name__}: {exc.orig}")
+                self._stop.wait(delay)
+                delay = min(delay * 2, MAX_BACKOFF_S)
+
+    def _report(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._reported_at < HEARTBEAT_S:
+            return
+        self._reported_at = time.monotonic()
+        self._db(lambda s: repo.report_writer(s, self.identity, state=self.status.state, reason=self.status.reason,
+                                              server=self.status.server, started_at=self._started_at))
+
+    def _set_status(self, state: str, reason: str | None = None) -> None:
+        if self.status.set(state, reason):
+            self._report(force=True)
+
     # --- one step -----------------------------------------------------------------------------
 
     def step(self) -> bool:
         """Process at most one sample; returns whether one was processed."""
+        self._report()
+        self._write_due_manifests()
         if not self._ensure_server():
             self._stop.wait(self._backoff)
             self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
             return False
         self._flush_due()
-        with self.sessions.begin() as s:
-            claimed = repo.claim_next(s, self.identity)
+        if self._paused:
+            self._set_status("waiting", self._paused)
+            self._stop.wait(DISK_RETRY_S)
+            return False
+        self._set_status("ready")
+        claimed = self._db(lambda s: repo.claim_next(s, self.identity))
         if claimed is None:
+            self._sweep()
             self._stop.wait(IDLE_POLL_S)
             return False
-        self._process(claimed)
+        if claimed.job_layers is not None and self._server_layers not in (None, claimed.job_layers):
+            self._refuse_job(claimed)
+        else:
+            self._process(claimed)
         self._settle_job(claimed.job_id)
         return True
 
@@ -134,19 +212,28 @@ class Writer:
         if self.extractor is not None and time.monotonic() - self._checked_at < SERVER_RECHECK_S:
             return True
         try:
+            if self._outage:
+                # A restarting server answers some endpoints before it is ready; /health says when.
+                self.client.health()
             model_info = self.client.model_info()
             server_info = self.client.server_info()
         except (BackendUnavailable, BackendRejected) as exc:
             self.extractor = None
-            self.status.set("waiting", f"model server not ready: {exc}")
+            self._outage = True
+            self._set_status("waiting", f"model server not ready: {exc}")
             return False
         problems = dump_breaking_settings(server_info)
         if problems:
             self.extractor = None
-            self.status.set("refusing", "; ".join(problems))
+            self._set_status("refusing", "; ".join(problems))
             return False
         dump = server_info.get("hs_dump") or {}
         name_by = self.settings.name_by if self.settings.name_by != "auto" else dump.get("name_by", "counter")
+        boot_id = dump.get("boot_id")
+        if self._boot_id and boot_id and boot_id != self._boot_id:
+            log.warning("model server restarted (boot id %s -> %s); settings re-read", self._boot_id, boot_id)
+        self._boot_id = boot_id
+        self._server_layers = [int(i) for i in dump["layers"]] if dump.get("layers") else None
         self._model_info = {
             "model_path": model_info.get("model_path"),
             "num_hidden_layers": model_info.get("num_hidden_layers"),
@@ -154,12 +241,24 @@ class Writer:
         }
         self.extractor = Extractor(self.client, self.root, self.staging, name_by=name_by,
                                    dump_wait_s=self.settings.dump_wait_s)
+        self._outage = False
         self._checked_at = time.monotonic()
         self._backoff = 0.5
-        self.status.server = {"url": self.settings.backend_url, "name_by": name_by, "boot_id": dump.get("boot_id"),
-                              "model_path": model_info.get("model_path")}
-        self.status.set("ready")
+        self.status.server = {"url": self.settings.backend_url, "name_by": name_by, "boot_id": boot_id,
+                              "model_path": model_info.get("model_path"), "layers": self._server_layers}
+        self._set_status("ready")
         return True
+
+    def _refuse_job(self, c: repo.Claimed) -> None:
+        """The server captures other layers than the job asks for: fail the job, spend nothing."""
+        reason = f"wrong_layers: the job asks for layers {c.job_layers}, the server captures {self._server_layers}"
+
+        def refuse(s: Session) -> None:
+            repo.release_interrupted(s, c, reason=reason)
+            repo.fail_job(s, c.job_id, reason)
+
+        self._db(refuse)
+        log.warning("job %s refused: %s", c.job_id, reason)
 
     def _process(self, c: repo.Claimed) -> None:
         ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
@@ -173,9 +272,9 @@ class Writer:
                                           expect=expect)
         except BackendUnavailable as exc:
             self.metrics.attempt("interrupted", "server_unavailable")
-            self.extractor = None
-            with self.sessions.begin() as s:
-                repo.release_interrupted(s, c, reason=f"model server unavailable: {exc}")
+            self.extractor, self._outage = None, True
+            why = f"model server unavailable: {exc}"
+            self._db(lambda s: repo.release_interrupted(s, c, reason=why))
             return
         except Exception as exc:  # any other failure is this attempt's, recorded, never a stuck sample
             if isinstance(exc, DumpRejected):
@@ -186,23 +285,27 @@ class Writer:
                 log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
                 reason = f"internal_error: {type(exc).__name__}: {exc}"
             self.metrics.attempt("failed", reason)
-            with self.sessions.begin() as s:
-                outcome = repo.record_failed_attempt(s, c, reason=reason, max_attempts=self.settings.max_attempts)
+            outcome = self._db(lambda s: repo.record_failed_attempt(s, c, reason=reason,
+                                                                    max_attempts=self.settings.max_attempts))
             log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
             return
         self.metrics.backend_latency(time.monotonic() - started)
         meta = dump.meta
         model = dict(self._model_info, layers=[int(i) for i in meta["layers"]],
                      hidden_size=int(meta["hidden_size"]), dtype=meta["dtype"])
-        with self.sessions.begin() as s:
-            recorded = repo.set_job_model_info(s, c.job_id, model) if c.job_model_info is None else c.job_model_info
-            if recorded != model and c.job_model_info is None:
-                shutil.rmtree(dump.path, ignore_errors=True)
+
+        def stage(s: Session) -> bool:
+            if c.job_model_info is None and repo.set_job_model_info(s, c.job_id, model) != model:
                 repo.record_failed_attempt(s, c, reason="wrong_model: dump differs from the job's model",
                                            max_attempts=self.settings.max_attempts)
-                return
+                return False
             repo.mark_staged(s, c, staged_path=str(dump.path), observed_tokens=dump.num_tokens,
                              dump_key=dump.key, boot_id=meta.get("boot_id"))
+            return True
+
+        if not self._db(stage):
+            shutil.rmtree(dump.path, ignore_errors=True)
+            return
         self.metrics.attempt("ok")
         self.metrics.extracted(dump.num_tokens, dump.nbytes)
         pending = self._pending[c.job_id]
@@ -210,14 +313,27 @@ class Writer:
         if pending.bytes >= self.settings.shard_max_bytes:
             self._flush(c.job_id)
 
+    def _sweep(self) -> None:
+        if self.extractor is None or self.extractor.name_by != "rid":
+            return
+        if time.monotonic() - self._swept_at < SWEEP_EVERY_S:
+            return
+        self._swept_at = time.monotonic()
+        cutoff = time.time() - SWEEP_AGE_S
+        for d in self.root.entries():
+            try:
+                if d.stat().st_mtime < cutoff:
+                    shutil.rmtree(d, ignore_errors=True)
+            except FileNotFoundError:
+                pass
+
     # --- shards -------------------------------------------------------------------------------
 
     def _settle_job(self, job_id: str) -> None:
         """After a sample's outcome: flush this writer's staged samples once nothing else can
         join them, then finish the job if that was the last of it."""
-        with self.sessions() as s:
-            job = repo.get_job(s, job_id)
-            idle = job is not None and job.n_queued == 0 and job.n_running == 0
+        job = self._db(lambda s: repo.get_job(s, job_id))
+        idle = job is not None and job.n_queued == 0 and job.n_running == 0
         if idle and job_id in self._pending:
             self._flush(job_id)
         self._finish(job_id)
@@ -225,28 +341,33 @@ class Writer:
     def _flush_due(self) -> None:
         now = time.monotonic()
         for job_id, pending in list(self._pending.items()):
-            with self.sessions() as s:
-                job = repo.get_job(s, job_id)
-                idle = job is None or (job.n_queued == 0 and job.n_running == 0)
+            job = self._db(lambda s, j=job_id: repo.get_job(s, j))
+            idle = job is None or (job.n_queued == 0 and job.n_running == 0)
             if idle or now - pending.since >= self.settings.shard_max_wait_s:
-                self._flush(job_id)
-                self._finish(job_id)
+                if self._flush(job_id):
+                    self._finish(job_id)
 
-    def _flush(self, job_id: str) -> None:
+    def _flush(self, job_id: str) -> bool:
         """Write this writer's staged samples of a job as one shard. On failure they stay staged
-        and are tried again after shard_max_wait_s."""
+        and are tried again: soon when the disk was full, else after shard_max_wait_s."""
         pending = self._pending.pop(job_id, None) or _Pending()
         try:
             self._write_staged(job_id)
-        except Exception:
-            log.exception("job %s: writing a shard failed; its staged samples wait for the next try", job_id)
-            pending.since = time.monotonic()
+        except Exception as exc:
+            if _disk_full(exc):
+                self._paused = f"output disk full, extraction paused until there is room: {exc}"
+                pending.since = time.monotonic() - self.settings.shard_max_wait_s + DISK_RETRY_S
+            else:
+                log.exception("job %s: writing a shard failed; its staged samples wait for the next try", job_id)
+                pending.since = time.monotonic()
             self._pending[job_id] = pending
+            return False
+        self._paused = None
+        return True
 
     def _write_staged(self, job_id: str) -> None:
-        with self.sessions() as s:
-            staged = [x for x in repo.staged_samples(s, self.identity) if x.job_id == job_id]
-            job = repo.get_job(s, job_id)
+        staged = [x for x in self._db(lambda s: repo.staged_samples(s, self.identity)) if x.job_id == job_id]
+        job = self._db(lambda s: repo.get_job(s, job_id))
         if not staged or job is None:
             return
         pieces, lost = [], []
@@ -261,31 +382,52 @@ class Writer:
                     else np.ones(len(ids), dtype=np.uint8)).astype(np.int64)
             pieces.append((x, ShardSample(x.sample_id, ids, mask, dump.layers)))
         if lost:
-            with self.sessions.begin() as s:
-                for pk, why in lost:
-                    repo.requeue_staged(s, job_id, [pk], f"staged dump unreadable: {why}")
+            self._db(lambda s: [repo.requeue_staged(s, job_id, [pk], f"staged dump unreadable: {why}")
+                                for pk, why in lost])
         if not pieces:
             return
         info = job.model_info
-        with self.sessions.begin() as s:
-            number = repo.reserve_shard_number(s, job_id)
+        number = self._db(lambda s: repo.reserve_shard_number(s, job_id))
         out = job_dir(self.settings.output_root, job_id) / shard_name(number)
         shard = write_shard(out, [p for _, p in pieces], info["layers"], info["dtype"], info["hidden_size"])
-        with self.sessions.begin() as s:
-            repo.commit_shard(s, job_id, name=shard.name, nbytes=shard.bytes, sha256=shard.sha256,
-                              placed=[(x.pk, off, p.num_tokens) for (x, p), off in zip(pieces, shard.offsets)])
+        placed = [(x.pk, off, p.num_tokens) for (x, p), off in zip(pieces, shard.offsets)]
+        self._db(lambda s: repo.commit_shard(s, job_id, name=shard.name, nbytes=shard.bytes, sha256=shard.sha256,
+                                             placed=placed))
         for x, _ in pieces:
             shutil.rmtree(x.staged_path, ignore_errors=True)
         log.info("job %s: wrote %s (%d samples, %d tokens, %d bytes)", job_id, shard.name, shard.num_samples,
                  shard.num_tokens, shard.bytes)
 
     def _finish(self, job_id: str) -> None:
-        with self.sessions.begin() as s:
-            finished = repo.finish_job_if_done(s, job_id)
-        if not finished:
-            return
-        with self.sessions() as s:
-            job = repo.get_job(s, job_id)
-            path = write_manifest(s, job, self.settings.output_root)
+        if self._db(lambda s: repo.finish_job_if_done(s, job_id)):
+            self._manifests_due.add(job_id)
+            self._write_due_manifests()
+
+    def _write_due_manifests(self) -> None:
+        """manifest.json of finished jobs, retried until the disk takes it."""
+        for job_id in list(self._manifests_due):
+            try:
+                with self.sessions() as s:
+                    job = repo.get_job(s, job_id)
+                    if job is None:
+                        self._manifests_due.discard(job_id)
+                        continue
+                    known = {sh.name for sh in repo.job_shards(s, job_id)}
+                    path = write_manifest(s, job, self.settings.output_root)
+            except (OperationalError, InterfaceError, OSError) as exc:
+                if _disk_full(exc):
+                    self._paused = f"output disk full, manifest of {job_id} not written yet: {exc}"
+                log.warning("job %s: manifest not written yet: %s", job_id, exc)
+                return
+            self._manifests_due.discard(job_id)
+            self._remove_leftovers(job_id, known)
+            log.info("job %s %s; manifest at %s", job_id, job.state, path)
+
+    def _remove_leftovers(self, job_id: str, known: set[str]) -> None:
+        """Once a job is finished, nothing can still be writing into it: drop temp files and shards
+        a crash left unrecorded, and its staging folder."""
+        folder = job_dir(self.settings.output_root, job_id)
+        for p in folder.glob("*"):
+            if (p.name.startswith(".") and ".tmp-" in p.name) or (p.suffix == ".safetensors" and p.name not in known):
+                p.unlink(missing_ok=True)
         shutil.rmtree(self.staging / job_id, ignore_errors=True)
-        log.info("job %s %s; manifest at %s", job_id, job.state, path)

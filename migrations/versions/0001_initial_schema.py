@@ -87,6 +87,15 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('pk'),
     sa.UniqueConstraint('job_id', 'name', name='uq_shards_job_name')
     )
+    op.create_table('writers',
+    sa.Column('identity', sa.String(length=500), nullable=False),
+    sa.Column('state', sa.String(length=16), nullable=False),
+    sa.Column('reason', sa.Text(), nullable=True),
+    sa.Column('server', sa.JSON(), nullable=True),
+    sa.Column('started_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('heartbeat_at', sa.DateTime(timezone=True), nullable=False),
+    sa.PrimaryKeyConstraint('identity')
+    )
     op.create_table('attempts',
     sa.Column('pk', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
     sa.Column('sample_pk', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), nullable=False),
@@ -107,6 +116,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table('attempts')
+    op.drop_table('writers')
     op.drop_table('shards')
     with op.batch_alter_table('samples', schema=None) as batch_op:
         batch_op.drop_index('ux_samples_one_running_per_writer', sqlite_where=sa.text("state = 'running'"), postgresql_where=sa.text("state = 'running'"))
