@@ -14,6 +14,8 @@ COMMANDS = [
     "app.serve",
     "app.reference.cli",
     "app.demo",
+    "app.export_cli",
+    "app.verify_cli",
 ]
 
 

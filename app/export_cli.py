@@ -1,0 +1,99 @@
+"""`hsx export`: write a job's hidden states in a training framework's own offline layout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+NAME = "export"
+HELP = "export a job for SpecForge, vLLM speculators or NVIDIA Model Optimizer training"
+DESCRIPTION = """\
+Write a finished job's hidden states as one file per sample in a training framework's offline layout:
+
+  specforge    rows_<a>-<b>/data_<i>.ckpt  (input_ids, loss_mask, hidden_state [1,T,H], aux_hidden_state [1,T,3H])
+  speculators  hidden_states/hs_<i>.safetensors  (hidden_states [T,4,H], token_ids [T]) + hsx_samples.jsonl
+  modelopt     <sample id>.pt  (input_ids, hidden_states [T,H], aux_hidden_states [T,3H], loss_mask)
+
+Layers follow hsx's numbering (0 = embeddings, k = decoder layer k, L = after the final norm); the
+EAGLE-3 capture is [2, L//2, L-3, L]. A job whose layers do not fit the target is refused (exit 1).
+Rerunning into the same folder skips files already complete; every file is written atomically.
+"""
+
+
+def _layer_list(text: str) -> list[int]:
+    try:
+        layers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+    if not layers:
+        raise argparse.ArgumentTypeError("no layers given")
+    return layers
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="the job folder, or its manifest.json")
+    p.add_argument("out_dir", help="output folder (created; must be empty or hold an earlier run of this export)")
+    p.add_argument("--num-layers", type=int, default=None, metavar="L",
+                   help="the model's number of decoder layers, when the manifest lacks model.num_hidden_layers")
+    p.add_argument("--aux-layers", type=_layer_list, default=None, metavar="I,J,K",
+                   help="aux layers in hsx numbering (default: the target's EAGLE-3 convention, [2, L//2, L-3])")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
+    p = sub.add_parser("specforge", help="SpecForge offline EAGLE-3 (OfflineEagle3Dataset)")
+    _common(p)
+    p.add_argument("--group-size", type=int, default=2000, help="files per rows_<a>-<b> folder (default: 2000, "
+                   "as SpecForge's --file-group-size)")
+    p = sub.add_parser("speculators", help="vLLM speculators (hs_<i>.safetensors)")
+    _common(p)
+    p.add_argument("--final-norm-weight", default=None, metavar="CHECKPOINT",
+                   help="the target model's checkpoint folder (or a .safetensors file) holding its final norm "
+                        "weight; needed because speculators stores the last layer before the final norm")
+    p.add_argument("--final-norm-key", default=None, help="tensor name of the final norm weight "
+                   "(default: model.norm.weight and common variants)")
+    p.add_argument("--final-norm-offset", type=float, default=0.0,
+                   help="the norm scales by weight + OFFSET (1 for Gemma-style norms; default 0)")
+    p = sub.add_parser("modelopt", help="NVIDIA Model Optimizer offline EAGLE (OfflineSupervisedDataset)")
+    _common(p)
+
+
+def _options(args: argparse.Namespace) -> dict:
+    options = {"num_layers": args.num_layers, "aux_layers": args.aux_layers}
+    if args.target == "specforge":
+        options["group_size"] = args.group_size
+    elif args.target == "speculators":
+        options.update(final_norm_weight=args.final_norm_weight, final_norm_key=args.final_norm_key,
+                       final_norm_offset=args.final_norm_offset)
+    return options
+
+
+def main(args: argparse.Namespace) -> int:
+    from app.exports import export_job
+    from app.exports.base import ExportRefused
+
+    last = [-1.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if sys.stderr.isatty() and (now - last[0] > 0.5 or done == total):
+            last[0] = now
+            print(f"\r  {done}/{total} files", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    try:
+        result = export_job(args.target, args.source, args.out_dir, progress=None if args.quiet else progress,
+                            **_options(args))
+    except ExportRefused as exc:
+        print(f"hsx export {args.target}: refused: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:
+        print(f"hsx export {args.target}: error: {exc}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(f"{args.target} export in {result.out_dir}: {result.written} files written, "
+              f"{result.skipped} already complete, {result.total} in all")
+        for note in result.notes:
+            print(f"  {note}")
+    return 0
