@@ -37,6 +37,8 @@ class Settings(BaseSettings):
         "", description="comma-separated bearer tokens, each TOKEN or TOKEN:read; when set, every endpoint but "
         "/healthz needs one, and :read tokens may only read"
     )
+    disk_check: str = Field("refuse", description="at job creation, when the output volume lacks room for the "
+                            "job's estimated size: refuse (507), warn (recorded in the job) or off")
     run_writer: bool = Field(True, description="run the single writer for the dump root in this process")
 
     def resolved_staging_dir(self) -> Path:

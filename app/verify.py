@@ -29,11 +29,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from app.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from app.storage.safetensors_raw import CODE_BY_NAME, SafetensorsFormatError, read_index
 from app.training.reader import TORCH_DTYPES
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "hsx-manifest/1"
 HASH_CHUNK = 8 * 1024 * 1024
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 _TEMP_NAME = re.compile(r"^\..+\.tmp-\d+$")

@@ -178,6 +178,12 @@ def test_downloads_events_and_metrics(stack, recompute):
     assert tensors["input_ids"].tolist() == samples[2]["input_ids"]
     assert torch.equal(tensors["layer_5"], recompute(samples[2]["input_ids"])[5])
 
+    report = svc.client.post(f"{svc.url}/v1/jobs/{job_id}/verify").json()
+    assert report["ok"] is True and report["summary"]["samples"] == 5, report
+    running = svc.post_job({"samples": make_samples(20, seed=31, lo=60, hi=120)}).json()
+    assert svc.client.post(f"{svc.url}/v1/jobs/{running['id']}/verify").status_code == 409
+    svc.client.post(f"{svc.url}/v1/jobs/{running['id']}/cancel")
+
     text = svc.get("/metrics").text
     assert 'hsx_samples{state="succeeded"}' in text and "hsx_backend_request_seconds_bucket" in text
     assert 'hsx_attempts_total{outcome="ok",reason=""}' in text and "hsx_tokens_per_second" in text

@@ -135,7 +135,8 @@ def test_output_disk_full_pauses_then_resumes(tmp_path, checkpoint, recompute):
             f.write(b"\0" * (2 * 1024 * 1024 - 100 * 1024))
         ref = start_reference(tmp_path, checkpoint)
         svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=ref.url,
-                            dump_root=ref.dump_root, extra=["--output-root", str(out), "--shard-max-bytes", "50000"])
+                            dump_root=ref.dump_root,
+                            extra=["--output-root", str(out), "--shard-max-bytes", "50000", "--disk-check", "off"])
         svc.output_root = out
         try:
             samples = make_samples(12, seed=43, lo=60, hi=120)
@@ -174,3 +175,35 @@ def test_postgres_restarted_mid_job(tmp_path, checkpoint, recompute, postgres_ur
         ref.stop()
 
 
+
+
+def test_disk_planning_refuses_or_warns_at_creation(tmp_path, checkpoint):
+    out = tmp_path / "tiny-disk"
+    if not _mount_tmpfs(out, "1m"):
+        if os.environ.get("CI"):
+            pytest.fail("could not mount a small tmpfs for the disk-planning test")
+        pytest.skip("mounting a tmpfs needs root")
+    ref = start_reference(tmp_path, checkpoint)
+    try:
+        per_token = 4 * 48 * 2 + 16  # four bf16 layers of hidden 48, plus int64 ids and mask
+        big = {"samples": [{"input_ids": [1] * 500} for _ in range(6)]}  # 3,000 tokens: ~1.2 MB > 1 MiB
+        for mode, expect in (("refuse", 507), ("warn", 202)):
+            svc = start_service(tmp_path / mode, f"sqlite:///{tmp_path / mode}.db", backend_url=ref.url,
+                                dump_root=tmp_path / mode / "dumps",
+                                extra=["--output-root", str(out), "--disk-check", mode, "--no-writer"])
+            try:
+                small = svc.post_job({"samples": [{"input_ids": [1, 2, 3]}]}).json()
+                assert small["estimated_bytes"] == 3 * per_token and small["disk_warning"] is None
+                resp = svc.post_job(big)
+                assert resp.status_code == expect, resp.text
+                if mode == "refuse":
+                    problem = resp.json()
+                    assert problem["needed_bytes"] == 3000 * per_token and problem["free_bytes"] <= 1024 * 1024
+                    assert len(svc.get("/v1/jobs").json()["data"]) == 1, "a refused job stores nothing"
+                else:
+                    assert "output volume" in resp.json()["disk_warning"]
+            finally:
+                svc.stop()
+    finally:
+        ref.stop()
+        subprocess.run(["umount", "-l", str(out)], check=False)

@@ -33,7 +33,10 @@ class BackendInfo:
                 model = httpx.get(self.base_url + "/get_model_info", timeout=2.0).raise_for_status().json()
                 server = httpx.get(self.base_url + "/get_server_info", timeout=2.0).raise_for_status().json()
                 max_tokens = server.get("max_req_input_len") or model.get("max_position_embeddings")
-                self._limits = Limits(vocab_size=model.get("vocab_size"), max_tokens=max_tokens)
+                dump = server.get("hs_dump") or {}
+                self._limits = Limits(vocab_size=model.get("vocab_size"), max_tokens=max_tokens,
+                                      layers=dump.get("layers"), hidden_size=model.get("hidden_size"),
+                                      dtype=dump.get("dtype") or model.get("dtype"))
                 self._expires = time.monotonic() + TTL_S
             except (httpx.HTTPError, ValueError):
                 self._limits = Limits()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -20,8 +21,9 @@ from sqlalchemy.orm import Session
 from app.api.problems import InvalidInput, ProblemError
 from app.api.schemas import SampleIn
 from app.db.models import Job
-from app.db.repository import JobBuilder, NewSample
+from app.db.repository import JobBuilder, NewSample, pending_output_bytes
 
+ITEMSIZE_BY_NAME = {"bfloat16": 2, "float16": 2, "float32": 4}
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ERRORS = 50
 BATCH = 2000
@@ -33,14 +35,28 @@ class Limits:
 
     vocab_size: int | None = None
     max_tokens: int | None = None
+    # What the server captures, for the job's size estimate.
+    layers: list[int] | None = None
+    hidden_size: int | None = None
+    dtype: str | None = None
+
+    def bytes_per_token(self, job_layers: list[int] | None) -> int | None:
+        """Shard bytes per token: every captured layer's row plus int64 input_ids and loss_mask."""
+        layers = job_layers or self.layers
+        if not layers or not self.hidden_size or self.dtype not in ITEMSIZE_BY_NAME:
+            return None
+        return len(layers) * self.hidden_size * ITEMSIZE_BY_NAME[self.dtype] + 16
 
 
 class Ingest:
     """Check samples one by one and insert them in batches through a JobBuilder."""
 
     def __init__(self, session: Session, limits: Limits, *, name: str | None, layers: list[int] | None,
-                 idempotency_key: str | None = None, request_sha256: str | None = None):
+                 idempotency_key: str | None = None, request_sha256: str | None = None,
+                 disk: DiskCheck | None = None):
         self.limits = limits
+        self.layers = layers
+        self.disk = disk
         self.builder = JobBuilder(session, name=name, layers=layers, idempotency_key=idempotency_key,
                                   request_sha256=request_sha256)
         self.errors: list[dict] = []
@@ -68,7 +84,13 @@ class Ingest:
         if self.count == 0:
             raise InvalidInput([{"field": "samples", "message": "a job needs at least one sample"}])
         self._flush()
-        return self.builder.finish()
+        job = self.builder.finish()
+        per_token = self.limits.bytes_per_token(self.layers)
+        if per_token is not None:
+            job.estimated_bytes = per_token * job.tokens_total
+            if self.disk is not None:
+                job.disk_warning = self.disk.check(self.builder.session, job.estimated_bytes)
+        return job
 
     def _flush(self) -> None:
         if not self.errors:
@@ -112,6 +134,32 @@ class Ingest:
             return None
         packed_mask = None if mask is None or all(mask) else np.asarray(mask, dtype=np.uint8).tobytes()
         return NewSample(sid, np.asarray(ids, dtype="<i4").tobytes(), packed_mask, len(ids))
+
+
+@dataclass(frozen=True)
+class DiskCheck:
+    """Does the output volume hold this job on top of what active jobs still have to write?"""
+
+    output_root: Path
+    mode: str  # refuse | warn | off
+
+    def check(self, session: Session, needed: int) -> str | None:
+        """None when it fits; a warning text in warn mode; raises 507 in refuse mode."""
+        if self.mode == "off":
+            return None
+        root = self.output_root
+        while not root.exists():
+            root = root.parent
+        free = shutil.disk_usage(root).free
+        pending = pending_output_bytes(session)
+        if needed + pending <= free:
+            return None
+        text = (f"the job needs about {needed:,} bytes and active jobs {pending:,} more, but the output volume "
+                f"({self.output_root}) has {free:,} bytes free")
+        if self.mode == "warn":
+            return text
+        raise ProblemError(507, text, type_="/problems/insufficient-storage", needed_bytes=needed,
+                           pending_bytes=pending, free_bytes=free)
 
 
 def body_items(samples: list[SampleIn]) -> Iterator[tuple[int, SampleIn, dict]]:

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -45,7 +46,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 def _problems(*codes: int) -> dict:
     text = {401: "Missing or unknown token", 403: "Not allowed", 404: "Not found", 409: "Not allowed in this state",
             413: "Body too large", 415: "Unsupported media type", 416: "Range not satisfiable",
-            422: "Invalid input"}
+            422: "Invalid input", 507: "Not enough room on the output volume"}
     schema = {"$ref": "#/components/schemas/Problem"}
     return {c: {"description": text[c], "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}}}
             for c in (401, 403, *codes)}
@@ -85,7 +86,8 @@ def job_out(job: Job, waiting: str | None = None) -> JobOut:
                       succeeded=job.n_succeeded, failed=job.n_failed, cancelled=job.n_cancelled),
         tokens=Tokens(total=job.tokens_total, done=job.tokens_done, staged=job.tokens_staged),
         rate_tokens_per_s=rate, eta_s=eta,
-        shards_written=job.shards_written, layers=job.layers, model=job.model_info,
+        shards_written=job.shards_written, estimated_bytes=job.estimated_bytes, disk_warning=job.disk_warning,
+        layers=job.layers, model=job.model_info,
         manifest_url=f"/v1/jobs/{job.id}/manifest",
     )
 
@@ -134,7 +136,7 @@ def _create_sync(sessions: sessionmaker, settings: Settings, limits: intake.Limi
     try:
         with sessions.begin() as s:
             ingest = intake.Ingest(s, limits, name=body.name, layers=body.layers, idempotency_key=key,
-                                   request_sha256=digest)
+                                   request_sha256=digest, disk=_disk_check(settings))
             for item in items:
                 ingest.feed(*item)
             return job_out(ingest.finish())
@@ -180,7 +182,7 @@ async def _create_from_ndjson(request: Request, settings: Settings, limits: inta
     try:
         session.begin()
         ingest = await run_in_threadpool(intake.Ingest, session, limits, name=name, layers=layers,
-                                         idempotency_key=key)
+                                         idempotency_key=key, disk=_disk_check(settings))
         batch, index, lineno = [], 0, 0
         async for line in _lines(request, settings.max_ndjson_bytes, digest):
             lineno += 1
@@ -210,6 +212,10 @@ async def _create_from_ndjson(request: Request, settings: Settings, limits: inta
         await run_in_threadpool(session.close)
 
 
+def _disk_check(settings: Settings) -> intake.DiskCheck:
+    return intake.DiskCheck(Path(settings.output_root), settings.disk_check)
+
+
 def _feed(ingest: intake.Ingest, batch: list) -> None:
     for item in batch:
         ingest.feed(*item)
@@ -220,7 +226,7 @@ def _find_key(sessions: sessionmaker, key: str) -> Job | None:
         return repo.job_by_idempotency_key(s, key)
 
 
-@router.post("", status_code=202, response_model=JobOut, responses=_problems(413, 415, 422),
+@router.post("", status_code=202, response_model=JobOut, responses=_problems(413, 415, 422, 507),
              openapi_extra=CREATE_BODY,
              summary="Create an extraction job",
              description="Samples inline (`samples`), from a JSONL file under the service's input root "
@@ -441,3 +447,16 @@ def delete_job(job_id: str, session: SessionDep, settings: SettingsDep,
         shutil.rmtree(job_dir(settings.output_root, job.id), ignore_errors=True)
     return Response(status_code=204)
 
+
+
+@router.post("/{job_id}/verify", responses=_problems(404, 409),
+             summary="Check every shard's sha256 and every sample's shapes, dtype and finite values")
+def verify(job_id: str, session: ReadSessionDep, settings: SettingsDep) -> dict:
+    from app.verify import verify_job
+
+    job = _job(session, job_id)
+    folder = job_dir(settings.output_root, job.id)
+    if not (folder / "manifest.json").exists():
+        raise ProblemError(409, f"job is {job.state}; its manifest is written once it is finished",
+                           type_="/problems/invalid-transition")
+    return verify_job(folder).to_dict()

@@ -55,6 +55,9 @@ class Job(Base):
     model_info: Mapped[dict | None] = mapped_column(JSON)
     # Captured layers the job asks for; NULL takes whatever the server captures.
     layers: Mapped[list | None] = mapped_column(JSON)
+    # Bytes its shards will take (tokens x (layers x hidden x dtype size + ids and mask)); NULL: unknown.
+    estimated_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    disk_warning: Mapped[str | None] = mapped_column(Text)
     num_samples: Mapped[int] = mapped_column(Integer, default=0)
     tokens_total: Mapped[int] = mapped_column(BigInteger, default=0)
     tokens_done: Mapped[int] = mapped_column(BigInteger, default=0)  # in written shards

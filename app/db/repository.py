@@ -106,6 +106,13 @@ def create_job(session: Session, *, name: str | None, layers: list[int] | None, 
     return builder.finish()
 
 
+def pending_output_bytes(session: Session) -> int:
+    """Bytes the active jobs have still to write, from their estimates and progress."""
+    rows = session.execute(select(Job.estimated_bytes, Job.tokens_total, Job.tokens_done)
+                           .where(Job.state.in_(("queued", "running")), Job.estimated_bytes.is_not(None))).all()
+    return sum(int(b * (t - d) / t) for b, t, d in rows if t)
+
+
 def job_by_idempotency_key(session: Session, key: str) -> Job | None:
     return session.execute(select(Job).where(Job.idempotency_key == key)).scalar_one_or_none()
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:  # torch is only needed by the caller of read_rows, not to import this module
+    import torch
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "hsx-manifest/1"

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "hsx-manifest/1"
+from app.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 
 TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,

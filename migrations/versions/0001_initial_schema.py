@@ -28,6 +28,8 @@ def upgrade() -> None:
     sa.Column('request_sha256', sa.String(length=64), nullable=True),
     sa.Column('model_info', sa.JSON(), nullable=True),
     sa.Column('layers', sa.JSON(), nullable=True),
+    sa.Column('estimated_bytes', sa.BigInteger(), nullable=True),
+    sa.Column('disk_warning', sa.Text(), nullable=True),
     sa.Column('num_samples', sa.Integer(), nullable=False),
     sa.Column('tokens_total', sa.BigInteger(), nullable=False),
     sa.Column('tokens_done', sa.BigInteger(), nullable=False),
