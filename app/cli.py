@@ -16,6 +16,15 @@ COMMANDS = [
     "app.demo",
     "app.export_cli",
     "app.verify_cli",
+    "app.commands.submit",
+    "app.commands.status",
+    "app.commands.jobs",
+    "app.commands.samples",
+    "app.commands.cancel",
+    "app.commands.retry",
+    "app.commands.delete",
+    "app.commands.manifest",
+    "app.commands.download",
 ]
 
 

@@ -39,6 +39,7 @@ class Settings(BaseSettings):
     )
     disk_check: str = Field("refuse", description="at job creation, when the output volume lacks room for the "
                             "job's estimated size: refuse (507), warn (recorded in the job) or off")
+    max_in_flight: int = Field(4, description="rid mode: requests kept in flight at once (counter mode: always 1)")
     run_writer: bool = Field(True, description="run the single writer for the dump root in this process")
 
     def resolved_staging_dir(self) -> Path:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from app.commands.common import Progress
 from app.sdk import HsxClient
 
 NAME = "demo"
@@ -70,34 +71,6 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
-def progress_line(job: dict, width: int = 30) -> str:
-    """One line of progress: bar, samples and tokens extracted, rate, ETA, failures."""
-    c, t = job["counts"], job["tokens"]
-    extracted = t["done"] + t["staged"]
-    filled = int(width * extracted / max(t["total"], 1))
-    rate = f"{job['rate_tokens_per_s']:.0f} tok/s" if job["rate_tokens_per_s"] else "- tok/s"
-    eta = f"ETA {job['eta_s']:.0f}s" if job["eta_s"] is not None else "ETA -"
-    return (f"[{'#' * filled}{'.' * (width - filled)}] {job['state']:<9} "
-            f"{c['succeeded'] + c['staged']}/{c['total']} samples {extracted}/{t['total']} tokens  {rate}  {eta}  "
-            f"failed {c['failed']}")
-
-
-class _Progress:
-    """Redraw one line on a terminal; elsewhere print a line only when something changed, at most 1/s."""
-
-    def __init__(self):
-        self.tty = sys.stdout.isatty()
-        self.last, self.last_t = "", 0.0
-
-    def __call__(self, job: dict) -> None:
-        line = progress_line(job)
-        if self.tty:
-            print("\r  " + line, end="", flush=True)
-        elif line != self.last and (time.monotonic() - self.last_t > 1 or job["state"] != "running"):
-            print("  " + line, flush=True)
-            self.last, self.last_t = line, time.monotonic()
-
-
 def main(args: argparse.Namespace) -> int:
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -121,21 +94,22 @@ def main(args: argparse.Namespace) -> int:
                    for i in range(args.samples)]
         with HsxClient(f"http://127.0.0.1:{svc_port}") as client:
             job = client.create_job(samples=samples, name="demo")
-            print(f"  submitted {job['id']}: {job['counts']['total']} samples, {job['tokens']['total']} tokens")
-            job = client.wait(job["id"], timeout=600, poll_s=0.3, on_progress=_Progress())
-            if sys.stdout.isatty():
-                print()
-            manifest = client.manifest(job["id"])
-        job_dir = work / "output" / job["id"]
-        for shard in manifest["shards"]:
-            digest = hashlib.sha256((job_dir / shard["name"]).read_bytes()).hexdigest()
-            status = "sha256 ok" if digest == shard["sha256"] else "SHA256 MISMATCH"
-            print(f"  {shard['name']}: {shard['num_samples']} samples, {shard['num_tokens']} tokens, "
-                  f"{shard['bytes']} bytes, {status}")
-        print(f"  job {job['state']}: layers {manifest['layers']}, hidden {manifest['hidden_size']}, "
-              f"{manifest['dtype']}")
+            print(f"  submitted {job.id}: {job.counts.total} samples, {job.tokens.total} tokens")
+            progress = Progress(indent="  ")
+            try:
+                job = client.wait(job, timeout=600, poll_s=0.3, max_poll_s=1.0, on_progress=progress)
+            finally:
+                progress.close()
+            manifest = client.manifest(job)
+        job_dir = work / "output" / job.id
+        for shard in manifest.shards:
+            digest = hashlib.sha256((job_dir / shard.name).read_bytes()).hexdigest()
+            status = "sha256 ok" if digest == shard.sha256 else "SHA256 MISMATCH"
+            print(f"  {shard.name}: {shard.num_samples} samples, {shard.num_tokens} tokens, "
+                  f"{shard.bytes} bytes, {status}")
+        print(f"  job {job.state}: layers {manifest.layers}, hidden {manifest.hidden_size}, {manifest.dtype}")
         print(f"manifest: {job_dir / 'manifest.json'}")
-        return 0 if job["state"] == "succeeded" else 1
+        return 0 if job.state == "succeeded" else 1
     finally:
         _stop(svc)
         _stop(ref)

@@ -16,13 +16,13 @@ def job_dir(output_root: Path, job_id: str) -> Path:
     return Path(output_root) / job_id
 
 
-def manifest_document(session: Session, job: Job) -> dict:
+def manifest_document(session: Session, job: Job, state: str | None = None) -> dict:
     info = job.model_info or {}
     return {
         "format": MANIFEST_FORMAT,
         "job_id": job.id,
         "name": job.name,
-        "state": job.state,
+        "state": state or job.state,
         "model": {k: info.get(k) for k in ("model_path", "num_hidden_layers", "vocab_size")},
         "layers": info.get("layers", job.layers),
         "hidden_size": info.get("hidden_size"),
@@ -47,7 +47,12 @@ def manifest_document(session: Session, job: Job) -> dict:
     }
 
 
-def write_manifest(session: Session, job: Job, output_root: Path) -> Path:
-    path = job_dir(output_root, job.id) / MANIFEST_NAME
-    write_json_atomic(path, manifest_document(session, job))
-    return path
+def finish_job(session: Session, job_id: str, output_root: Path) -> str | None:
+    """End a job whose samples are all settled: manifest.json first, then the terminal state, so
+    a finished job always has its manifest. Returns the state it ended in, or None."""
+    job = repo.get_job(session, job_id)
+    final = None if job is None else repo.final_state(job)
+    if final is None:
+        return None
+    write_json_atomic(job_dir(output_root, job.id) / MANIFEST_NAME, manifest_document(session, job, final))
+    return final if repo.finish_job_if_done(session, job_id) else None

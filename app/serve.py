@@ -34,6 +34,7 @@ FLAGS = {
     "name_by": (str, "dump naming: auto (ask the server), counter or rid"),
     "max_json_bytes": (int, "largest application/json request body"),
     "max_ndjson_bytes": (int, "largest streamed application/x-ndjson job body"),
+    "max_in_flight": (int, "rid mode: requests in flight at once (counter-named dumps always take one at a time)"),
     "disk_check": (str, "refuse, warn or off: what to do when a new job would not fit on the output volume"),
     "api_tokens": (str, "comma-separated bearer tokens (TOKEN or TOKEN:read); unset: no authentication"),
 }

@@ -172,7 +172,7 @@ def test_downloads_events_and_metrics(stack, recompute):
     past = svc.client.get(url, headers={"Range": f"bytes={shard['bytes']}-"})
     assert past.status_code == 416 and past.headers["content-type"].startswith("application/problem+json")
 
-    one = svc.client.get(f"{svc.url}/v1/jobs/{job_id}/samples/{samples[2]['id']}/tensors")
+    one = svc.client.get(f"{svc.url}/v1/jobs/{job_id}/tensors/{samples[2]['id']}")
     assert one.status_code == 200
     tensors = load(one.content)
     assert tensors["input_ids"].tolist() == samples[2]["input_ids"]
@@ -189,6 +189,18 @@ def test_downloads_events_and_metrics(stack, recompute):
     assert 'hsx_attempts_total{outcome="ok",reason=""}' in text and "hsx_tokens_per_second" in text
 
 
+def test_sample_ids_with_slashes_are_reachable(stack):
+    svc, _ = stack
+    job = svc.wait_job(svc.post_job({"samples": [{"id": "conv/7", "input_ids": [5, 6, 7]},
+                                                 {"id": "x/tensors", "input_ids": [8, 9]}]}).json()["id"])
+    assert job["state"] == "succeeded"
+    for sid, ids in (("conv/7", [5, 6, 7]), ("x/tensors", [8, 9])):
+        quoted = sid.replace("/", "%2F")
+        assert svc.get(f"/v1/jobs/{job['id']}/samples/{quoted}").json()["id"] == sid
+        tensors = load(svc.get(f"/v1/jobs/{job['id']}/tensors/{quoted}").content)
+        assert tensors["input_ids"].tolist() == ids
+
+
 def test_tokens_guard_everything_but_health(tmp_path):
     svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'auth.db'}",
                         extra=["--no-writer", "--api-tokens", "writer-secret,reader-secret:read"])
@@ -202,6 +214,8 @@ def test_tokens_guard_everything_but_health(tmp_path):
         assert c.get("/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 401
         read = {"Authorization": "Bearer reader-secret"}
         assert c.get("/v1/jobs", headers=read).status_code == 200
+        # verify only reads: a read token may run it (404: no such job, past the token check)
+        assert c.post("/v1/jobs/job_nope/verify", headers=read).status_code == 404
         denied = c.post("/v1/jobs", json={"samples": [{"input_ids": [1]}]}, headers=read)
         assert denied.status_code == 403 and denied.json()["status"] == 403
         ok = c.post("/v1/jobs", json={"samples": [{"input_ids": [1]}]},

@@ -379,5 +379,7 @@ def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "app.reference", "--help"], capture_output=True, text=True,
                          check=True).stdout
     for flag in ("--model", "--dump-root", "--name-by", "--layers", "--dtype", "--skip-server-warmup",
-                 "--enable-return-hidden-states"):
+                 "--enable-return-hidden-states", "--synthetic", "--hidden-size", "--num-layers", "--vocab-size",
+                 "--prefill-us-per-token", "--max-batch", "--enable-fault-injection", "--enable-radix-cache",
+                 "--chunked-prefill-size", "/admin/faults"):
         assert flag in out

@@ -126,10 +126,12 @@ def test_recovery_requeues_running_and_lost_staged(sessions, tmp_path):
     (kept_dir / "done").touch()
     with sessions.begin() as s:
         a = repo.claim_next(s, "w")
-        repo.mark_staged(s, a, staged_path=str(kept_dir), observed_tokens=a.num_tokens, dump_key="req_1", boot_id="b")
+        repo.mark_staged(s, a, writer="w", staged_path=str(kept_dir), observed_tokens=a.num_tokens,
+                         dump_key="req_1", boot_id="b")
     with sessions.begin() as s:
         b = repo.claim_next(s, "w")
-        repo.mark_staged(s, b, staged_path=str(tmp_path / "gone"), observed_tokens=b.num_tokens, dump_key="req_2",
+        repo.mark_staged(s, b, writer="w", staged_path=str(tmp_path / "gone"), observed_tokens=b.num_tokens,
+                         dump_key="req_2",
                          boot_id="b")
     with sessions.begin() as s:
         repo.claim_next(s, "w")  # running when the "crash" happens

@@ -38,7 +38,7 @@ from app.api.schemas import (
 from app.config import Settings
 from app.db import repository as repo
 from app.db.models import TERMINAL_JOB_STATES, Job, Sample
-from app.manifests import job_dir, manifest_document
+from app.manifests import finish_job, job_dir, manifest_document
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -342,17 +342,8 @@ def list_samples(
                       next_after=page[-1].sample_id if len(rows) > limit else None)
 
 
-@router.get("/{job_id}/samples/{sample_id}", response_model=SampleOut, responses=_problems(404),
-            summary="One sample, with every attempt and its outcome")
-def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOut:
-    _job(session, job_id)
-    s = repo.get_sample(session, job_id, sample_id)
-    if s is None:
-        raise NotFound(f"sample {sample_id!r}")
-    return sample_out(s, repo.sample_attempts(session, s.pk))
-
-
-@router.get("/{job_id}/samples/{sample_id}/tensors", responses={**_problems(404, 409), 200: {
+# Sample ids may contain "/": they are the last, path-typed part of every URL that names one.
+@router.get("/{job_id}/tensors/{sample_id:path}", responses={**_problems(404, 409), 200: {
     "content": {"application/octet-stream": {}}, "description": "safetensors: input_ids, loss_mask, layer_<i>"}},
     response_class=Response, summary="One stored sample's tensors as a small safetensors file")
 def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, settings: SettingsDep) -> Response:
@@ -372,6 +363,16 @@ def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, set
                                                                            "job_id": job_id})
     return Response(data, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="sample-{s.idx}.safetensors"'})
+
+
+@router.get("/{job_id}/samples/{sample_id:path}", response_model=SampleOut, responses=_problems(404),
+            summary="One sample, with every attempt and its outcome")
+def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOut:
+    _job(session, job_id)
+    s = repo.get_sample(session, job_id, sample_id)
+    if s is None:
+        raise NotFound(f"sample {sample_id!r}")
+    return sample_out(s, repo.sample_attempts(session, s.pk))
 
 
 @router.get("/{job_id}/manifest", responses=_problems(404),
@@ -411,13 +412,16 @@ def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: Setting
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=_problems(404, 409),
              summary="Cancel: queued samples are cancelled; the one in flight finishes and is stored")
-def cancel_job(job_id: str, session: SessionDep) -> JobOut:
+def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOut:
     with session.begin():
         job = _job(session, job_id)
         cancelled = repo.cancel_job(session, job_id)
         if cancelled is None:
             raise ProblemError(409, f"job is {job.state}; only queued or running jobs can be cancelled",
                                type_="/problems/invalid-transition")
+        # Nothing in flight: it ends now (else the writer ends it once its in-flight sample is stored).
+        finish_job(session, job_id, settings.output_root)
+        session.refresh(cancelled)
         return job_out(cancelled)
 
 

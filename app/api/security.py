@@ -10,6 +10,8 @@ from app.api.problems import problem_response
 
 OPEN_PATHS = {"/healthz"}
 READ_METHODS = {"GET", "HEAD", "OPTIONS"}
+# Actions that only read, though they are POSTs: read-only tokens may run them.
+READ_ACTION_SUFFIXES = ("/verify",)
 
 
 def parse_tokens(spec: str) -> dict[str, str]:
@@ -44,6 +46,7 @@ def install(app: FastAPI, spec: str) -> None:
         if role is None:
             return problem_response(401, "Unauthorized", "a valid bearer token is required",
                                     "/problems/unauthorized", {"WWW-Authenticate": 'Bearer realm="hsx"'})
-        if role == "read" and request.method not in READ_METHODS:
+        reads = request.method in READ_METHODS or request.url.path.endswith(READ_ACTION_SUFFIXES)
+        if role == "read" and not reads:
             return problem_response(403, "Forbidden", "this token may only read", "/problems/forbidden")
         return await call_next(request)

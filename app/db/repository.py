@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import case, delete, exists, select, update
+from sqlalchemy import case, delete, exists, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from app.db.models import TERMINAL_JOB_STATES, Attempt, Job, Sample, Shard, WriterRecord
@@ -142,7 +142,6 @@ def cancel_job(session: Session, job_id: str) -> Job | None:
     session.flush()
     pks = session.execute(select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "queued")).scalars().all()
     _transition(session, job_id, list(pks), "queued", "cancelled", {"writer": None})
-    finish_job_if_done(session, job_id)
     session.refresh(job)
     return job
 
@@ -185,6 +184,15 @@ def set_job_model_info(session: Session, job_id: str, info: dict) -> dict:
     return session.execute(select(Job.model_info).where(Job.id == job_id)).scalar_one()
 
 
+def final_state(job: Job) -> str | None:
+    """The state a job ends in once nothing is queued, running or staged; None before that."""
+    if job.state not in ("queued", "running", "cancelling") or job.n_queued or job.n_running or job.n_staged:
+        return None
+    if job.state == "cancelling":
+        return "cancelled"
+    return "failed" if job.n_failed else "succeeded"
+
+
 def finish_job_if_done(session: Session, job_id: str) -> bool:
     """Move a job to its terminal state once no sample is queued, running or staged."""
     result = session.execute(
@@ -202,14 +210,9 @@ def finish_job_if_done(session: Session, job_id: str) -> bool:
 
 def fail_job(session: Session, job_id: str, reason: str) -> None:
     """A job that cannot run at all (e.g. server settings that break dumps): fail what is queued."""
-    now = utcnow()
     session.execute(update(Job).where(Job.id == job_id).values(error=reason))
     pks = session.execute(select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "queued")).scalars().all()
     _transition(session, job_id, list(pks), "queued", "failed", {"last_error": reason})
-    session.execute(
-        update(Job).where(Job.id == job_id, Job.n_running == 0, Job.n_staged == 0,
-                          Job.state.in_(("queued", "running"))).values(state="failed", finished_at=now)
-    )
 
 
 # --- sample transitions -------------------------------------------------------------------
@@ -289,11 +292,14 @@ def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str 
     )
 
 
-def mark_staged(session: Session, c: Claimed, *, staged_path: str, observed_tokens: int, dump_key: str,
-                boot_id: str | None) -> bool:
+def mark_staged(session: Session, c: Claimed, *, writer: str, staged_path: str, observed_tokens: int,
+                dump_key: str, boot_id: str | None) -> bool:
+    """The dump is validated and out of the root. `writer` is the dump root's writer (not the
+    in-flight slot that ran it): the writer's shard flusher takes it from here."""
     _close_attempt(session, c.attempt_pk, "ok", dump_key=dump_key, observed_tokens=observed_tokens, boot_id=boot_id)
     return _transition(session, c.job_id, [c.sample_pk], "running", "staged",
-                       {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None}) == 1
+                       {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None,
+                        "writer": writer}) == 1
 
 
 def _requeue_state(session: Session, job_id: str) -> str:
@@ -324,12 +330,17 @@ def release_interrupted(session: Session, c: Claimed, *, reason: str) -> None:
                 {"writer": None, "attempts": Sample.attempts - 1, "last_error": reason})
 
 
+def _writer_or_slots(writer: str):
+    """The writer itself or any of its in-flight slots ("<writer>#<n>")."""
+    return or_(Sample.writer == writer, Sample.writer.startswith(writer + "#", autoescape=True))
+
+
 def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, int]:
     """At writer start: its running samples were interrupted by a crash; staged ones keep their
     place only if their staged files survived. Returns (requeued, kept staged)."""
     requeued = kept = 0
     running = session.execute(
-        select(Sample.pk, Sample.job_id).where(Sample.writer == writer, Sample.state == "running")
+        select(Sample.pk, Sample.job_id).where(_writer_or_slots(writer), Sample.state == "running")
     ).all()
     for pk, job_id in running:
         session.execute(
@@ -351,10 +362,11 @@ def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, i
     return requeued, kept
 
 
-def staged_samples(session: Session, writer: str) -> list[Sample]:
-    return list(session.execute(
-        select(Sample).where(Sample.writer == writer, Sample.state == "staged").order_by(Sample.job_id, Sample.idx)
-    ).scalars())
+def staged_samples(session: Session, writer: str, job_id: str | None = None) -> list[Sample]:
+    q = select(Sample).where(Sample.writer == writer, Sample.state == "staged")
+    if job_id is not None:
+        q = q.where(Sample.job_id == job_id)
+    return list(session.execute(q.order_by(Sample.job_id, Sample.idx)).scalars())
 
 
 def requeue_staged(session: Session, job_id: str, pks: list[int], reason: str) -> None:

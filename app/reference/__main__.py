@@ -9,7 +9,8 @@ from app.reference import cli
 
 
 def _main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.reference", description=cli.DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m app.reference", description=cli.DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_arguments(parser)
     return cli.main(parser.parse_args())
 

@@ -10,12 +10,37 @@ from pathlib import Path
 
 NAME = "reference-server"
 HELP = "run the SGLang-compatible reference model server that writes hidden-state dumps"
-DESCRIPTION = (
-    "Serve a causal LM (a local transformers checkpoint, or an embedded tiny Llama) behind an "
-    "SGLang-compatible HTTP API (/generate, /health, /get_model_info, /get_server_info, /flush_cache). "
-    "Every forward request, warm-up and health checks included, writes its prefill hidden states to "
-    "<dump-root>/req_<key>/ following dump protocol v1. Runs until SIGTERM or SIGINT."
-)
+DESCRIPTION = """\
+Serve a causal LM (a local transformers checkpoint, or an embedded tiny Llama) behind an
+SGLang-compatible HTTP API (/generate, /health, /get_model_info, /get_server_info, /flush_cache).
+Every forward request, warm-up and health checks included, writes its prefill hidden states to
+<dump-root>/req_<key>/ following dump protocol v1. Runs until SIGTERM or SIGINT.
+
+Synthetic mode (--synthetic), for benchmarks: no model; a model of the shape that --hidden-size,
+--num-layers, --vocab-size and --dtype give, whose hidden states are rows of a seeded random table
+chosen by a hash of (token, previous token, position, layer): a deterministic function that
+app.reference.synthetic.synthetic_hidden_states() recomputes. Prefill time is simulated
+(--prefill-us-per-token, --per-request-us); in rid mode --max-batch > 1 runs concurrent requests
+as batches (the batch costs its longest prompt's time plus --per-request-us per request).
+
+Fault injection (--enable-fault-injection), for tests: mounts GET/POST/DELETE /admin/faults to
+read, merge-patch and reset fault settings, and to read how many faults of each kind were injected:
+  {"seed": null,
+   "foreign_dumps": {"count": 0, "probability": 0.0, "before": 1, "after": 1, "health_like": false},
+   "crash":         {"count": 0, "probability": 0.0, "exit_code": 1},
+   "delay":         {"count": 0, "probability": 0.0, "seconds": 0.0},
+   "unavailable":   {"seconds": 0.0},
+   "late_done":     {"count": 0, "probability": 0.0, "seconds": 1.0, "never": false},
+   "bad_dumps":     {"count": 0, "probability": 0.0, "kind": "nan"}}
+A fault fires for the next `count` /generate sequences (delay: requests), then with `probability`.
+foreign_dumps writes extra complete dumps of other ids around the real one; crash exits the process
+before the dump and the reply; delay sleeps before the reply; unavailable answers 503 to /generate
+and /health for `seconds` from the POST; late_done creates `done` `seconds` after the reply, or
+never; bad_dumps writes the dump with wrong content of `kind` (missing_layer, truncated, unreadable,
+wrong_shape, wrong_dtype, nan, inf, wrong_num_tokens, wrong_ids, cached_tokens, missing_meta_field,
+bad_meta_json, or a list of them). Details: the docstring of app/reference/faults.py.
+--enable-radix-cache and --chunked-prefill-size change what the server does and reports, as in SGLang.
+"""
 
 
 def _layer_list(text: str) -> list[int]:
@@ -67,30 +92,131 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "last-layer rows as float lists",
     )
 
+    synthetic = parser.add_argument_group("synthetic mode (benchmarks; no model compute)")
+    synthetic.add_argument(
+        "--synthetic", action="store_true",
+        help="serve synthetic hidden states of a realistic shape instead of running a model "
+             "(model_path hsx-synthetic; --dtype auto means bfloat16)",
+    )
+    synthetic.add_argument("--hidden-size", type=int, default=None, metavar="N", help="hidden size (default: 4096)")
+    synthetic.add_argument(
+        "--num-layers", type=int, default=None, metavar="L",
+        help="decoder layers; the captured layers default to EAGLE-3's 2,L//2,L-3,L (default: 32)",
+    )
+    synthetic.add_argument("--vocab-size", type=int, default=None, metavar="N", help="vocabulary size (default: 32000)")
+    synthetic.add_argument(
+        "--context-length", type=int, default=None, metavar="N",
+        help="longest prompt accepted, reported as max_position_embeddings (default: 131072)",
+    )
+    synthetic.add_argument("--seed", type=int, default=None, help="seed of the synthetic content (default: 0)")
+    synthetic.add_argument(
+        "--prefill-us-per-token", type=float, default=None, metavar="US",
+        help="simulated prefill time per prompt token, in microseconds (default: 0)",
+    )
+    synthetic.add_argument(
+        "--per-request-us", type=float, default=None, metavar="US",
+        help="simulated fixed cost of every request in a batch, in microseconds (default: 0)",
+    )
+    synthetic.add_argument(
+        "--max-batch", type=int, default=None, metavar="N",
+        help="rid mode: concurrent requests waiting together run as one batch of up to N, costing the "
+             "longest prompt's time plus --per-request-us each; counter mode stays serialised (default: 1)",
+    )
+
+    faults = parser.add_argument_group("fault injection (tests)")
+    faults.add_argument(
+        "--enable-fault-injection", action="store_true",
+        help="mount the admin API GET/POST/DELETE /admin/faults (see above)",
+    )
+    faults.add_argument(
+        "--enable-radix-cache", action="store_true",
+        help="report disable_radix_cache=false and serve repeated prompt prefixes from a prefix cache: "
+             "meta and reply cached_tokens > 0, and the dump holds only the non-cached rows",
+    )
+    faults.add_argument(
+        "--chunked-prefill-size", type=int, default=-1, metavar="N",
+        help="report it and dump a prompt longer than N tokens as one dump per N-token chunk "
+             "(-1: off) (default: %(default)s)",
+    )
+
+
+SYNTHETIC_DEFAULTS = {
+    "hidden_size": 4096,
+    "num_layers": 32,
+    "vocab_size": 32000,
+    "context_length": 131072,
+    "seed": 0,
+    "prefill_us_per_token": 0.0,
+    "per_request_us": 0.0,
+    "max_batch": 1,
+}
+
+
+def _synthetic_runner(args: argparse.Namespace):
+    from app.reference.common import default_capture_layers
+    from app.reference.synthetic import SyntheticRunner
+
+    opts = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in SYNTHETIC_DEFAULTS.items()}
+    layers = args.layers if args.layers is not None else default_capture_layers(opts["num_layers"])
+    batching = args.name_by == "rid" and opts["max_batch"] > 1
+    if opts["max_batch"] > 1 and not batching:
+        print("note: --max-batch only batches in rid mode; counter mode serves one request at a time",
+              file=sys.stderr)
+    return SyntheticRunner(dtype="bfloat16" if args.dtype == "auto" else args.dtype, layers=layers,
+                           batching=batching, **opts)
+
+
+def _usage_error(args: argparse.Namespace) -> str | None:
+    if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
+        return "--chunked-prefill-size must be a positive number of tokens, or -1 for off"
+    if args.synthetic:
+        if args.model is not None:
+            return "--model and --synthetic exclude each other"
+        return None
+    given = [k for k in SYNTHETIC_DEFAULTS if getattr(args, k) is not None]
+    if given:
+        return f"--{given[0].replace('_', '-')} needs --synthetic"
+    if args.model is not None and not Path(args.model).is_dir():
+        return f"--model {args.model!r} is not a local checkpoint directory"
+    return None
+
 
 def main(args: argparse.Namespace) -> int:
-    # Imported here so `--help` stays fast: torch and transformers take seconds to import.
+    problem = _usage_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    # Imported here so `--help` and usage errors stay fast: torch and transformers take seconds to
+    # import (and synthetic mode never imports transformers).
     from app.reference.dumper import DumpWriter
-    from app.reference.model import ModelRunner, default_capture_layers, load_model
+    from app.reference.faults import FaultInjector, PrefixCache
     from app.reference.server import Engine, ServerSettings, log, run_server
 
-    if args.model is not None and not Path(args.model).is_dir():
-        print(f"error: --model {args.model!r} is not a local checkpoint directory", file=sys.stderr)
-        return 2
-    model, model_path = load_model(args.model, args.dtype)
-    num_layers = int(model.config.num_hidden_layers)
-    layers = args.layers if args.layers is not None else default_capture_layers(num_layers)
     try:
-        runner = ModelRunner(model, model_path, layers)
+        if args.synthetic:
+            runner = _synthetic_runner(args)
+        else:
+            from app.reference.model import ModelRunner, default_capture_layers, load_model
+
+            model, model_path = load_model(args.model, args.dtype)
+            num_layers = int(model.config.num_hidden_layers)
+            layers = args.layers if args.layers is not None else default_capture_layers(num_layers)
+            runner = ModelRunner(model, model_path, layers)
     except ValueError as exc:
-        print(f"error: --layers: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
     dump_root = Path(os.path.abspath(os.path.expanduser(args.dump_root)))
     dump_root.mkdir(parents=True, exist_ok=True)
     boot_id = uuid.uuid4().hex
     writer = DumpWriter(dump_root, boot_id=boot_id, dtype_name=runner.dtype_name, hidden_size=runner.hidden_size)
-    engine = Engine(runner, writer, args.name_by)
+    engine = Engine(
+        runner, writer, args.name_by,
+        faults=FaultInjector() if args.enable_fault_injection else None,
+        prefix_cache=PrefixCache() if args.enable_radix_cache else None,
+        chunked_prefill_size=args.chunked_prefill_size,
+        concurrent=getattr(runner, "batcher", None) is not None,
+    )
     settings = ServerSettings(
         dump_root=dump_root,
         name_by=args.name_by,
@@ -99,8 +225,13 @@ def main(args: argparse.Namespace) -> int:
         skip_server_warmup=args.skip_server_warmup,
         enable_return_hidden_states=args.enable_return_hidden_states,
     )
+    extras = [name for name, on in (("fault-injection", args.enable_fault_injection),
+                                     ("radix-cache", args.enable_radix_cache),
+                                     (f"chunked-prefill={args.chunked_prefill_size}",
+                                      args.chunked_prefill_size > 0)) if on]
     log(
-        f"model={model_path} dtype={runner.dtype_name} layers={runner.layers} dump_root={dump_root} "
-        f"name_by={args.name_by} boot_id={boot_id}"
+        f"model={runner.model_path} dtype={runner.dtype_name} hidden={runner.hidden_size} layers={runner.layers} "
+        f"dump_root={dump_root} name_by={args.name_by} boot_id={boot_id}"
+        + (f" faults: {', '.join(extras)}" if extras else "")
     )
     return run_server(engine, settings)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import shutil
 import struct
 from collections.abc import Sequence
@@ -18,8 +20,56 @@ META_FILE = "meta.json"
 DONE_FILE = "done"
 
 
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+IOV_MAX = 1024  # Linux's limit on the buffers of one writev
+
+
 def input_ids_sha256(input_ids: Sequence[int]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(input_ids)}q", *input_ids)).hexdigest()
+
+
+def _tensor_buffers(t: torch.Tensor) -> list[memoryview]:
+    t = t.detach().contiguous()
+    return [memoryview(t.reshape(-1).view(torch.uint8).numpy())] if t.numel() else []
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    for start in range(0, len(buffers), IOV_MAX):
+        chunk = buffers[start:start + IOV_MAX]
+        written = os.writev(fd, chunk)
+        if written == sum(len(b) for b in chunk):
+            continue
+        for b in chunk:  # a short write (rare on local files): finish buffer by buffer
+            if written >= len(b):
+                written -= len(b)
+                continue
+            rest = b[written:]
+            written = 0
+            while rest:
+                rest = rest[os.write(fd, rest):]
+
+
+def save_streamed(tensors: dict[str, object], path: Path) -> None:
+    """Write a safetensors file from values that are tensors or lazy tensors with shape, dtype and
+    buffers() (their bytes, row-major), without first building the data in memory."""
+    header: dict[str, object] = {}
+    buffers: list[memoryview] = []
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: cannot stream dtype {t.dtype}")
+        nbytes = math.prod(t.shape) * t.dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        buffers.extend(_tensor_buffers(t) if isinstance(t, torch.Tensor) else t.buffers())
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((8 - (8 + len(raw)) % 8) % 8)  # the data starts 8-byte aligned, as save_file does
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, [memoryview(struct.pack("<Q", len(raw)) + raw), *buffers])
+    finally:
+        os.close(fd)
 
 
 class DumpWriter:
@@ -42,12 +92,16 @@ class DumpWriter:
         counter: int,
         input_ids: Sequence[int],
         hidden_states: dict[int, torch.Tensor],
+        cached_tokens: int = 0,
+        done: bool = True,
     ) -> Path:
+        """Write every file, then `done` (unless done=False: the caller creates it later, or never)."""
         directory = self.prepare_dir(key)
         self.write_hidden_states(directory, hidden_states)
         self.write_input_ids(directory, input_ids)
-        self.write_meta(directory, self.build_meta(rid, counter, input_ids, sorted(hidden_states)))
-        self.mark_done(directory)
+        self.write_meta(directory, self.build_meta(rid, counter, input_ids, sorted(hidden_states), cached_tokens))
+        if done:
+            self.mark_done(directory)
         return directory
 
     def prepare_dir(self, key: str) -> Path:
@@ -61,13 +115,18 @@ class DumpWriter:
         return directory
 
     def write_hidden_states(self, directory: Path, hidden_states: dict[int, torch.Tensor]) -> None:
-        tensors = {f"layer_{i}": t.contiguous() for i, t in hidden_states.items()}
-        save_file(tensors, str(directory / HIDDEN_STATES_FILE))
+        if all(isinstance(t, torch.Tensor) for t in hidden_states.values()):
+            tensors = {f"layer_{i}": t.contiguous() for i, t in hidden_states.items()}
+            save_file(tensors, str(directory / HIDDEN_STATES_FILE))
+        else:  # synthetic mode's lazy row gathers
+            save_streamed({f"layer_{i}": hidden_states[i] for i in sorted(hidden_states)},
+                          directory / HIDDEN_STATES_FILE)
 
     def write_input_ids(self, directory: Path, input_ids: Sequence[int]) -> None:
         save_file({"input_ids": torch.tensor(list(input_ids), dtype=torch.int64)}, str(directory / INPUT_IDS_FILE))
 
-    def build_meta(self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int]) -> dict:
+    def build_meta(self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int],
+                   cached_tokens: int = 0) -> dict:
         return {
             "num_tokens": len(input_ids),
             "layers": layers,
@@ -76,7 +135,7 @@ class DumpWriter:
             "rid": rid,
             "counter": counter,
             "boot_id": self.boot_id,
-            "cached_tokens": 0,
+            "cached_tokens": cached_tokens,
             "input_ids_sha256": input_ids_sha256(input_ids),
         }
 

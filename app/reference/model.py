@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 import transformers
 from packaging.version import Version
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+# Re-exported: callers import these from here.
+from app.reference.common import DTYPES, ForwardResult, default_capture_layers, dtype_name  # noqa: F401
+
 EMBEDDED_MODEL_PATH = "hsx-embedded-tiny-llama"
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def embedded_config() -> LlamaConfig:
@@ -57,19 +50,6 @@ def load_model(path: str | None, dtype: str = "auto") -> tuple[PreTrainedModel, 
     key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **{key: torch_dtype})
     return model.eval(), str(path)
-
-
-def default_capture_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's aux layers plus the post-norm last layer, in HF hidden_states numbering."""
-    wanted = (2, num_layers // 2, num_layers - 3, num_layers)
-    return sorted({i for i in wanted if 0 <= i <= num_layers})
-
-
-@dataclass
-class ForwardResult:
-    hidden_states: dict[int, torch.Tensor]  # captured layer -> [T, hidden] in the model dtype
-    final_hidden: torch.Tensor  # post-norm last layer [T, hidden], for return_hidden_states
-    output_ids: list[int]
 
 
 class ModelRunner:

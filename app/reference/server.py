@@ -7,20 +7,25 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import anyio.to_thread
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from app.reference.common import ForwardResult
 from app.reference.dumper import DumpWriter
-from app.reference.model import ForwardResult, ModelRunner
+from app.reference.faults import BadDumpWriter, FaultInjector, PrefixCache, SequencePlan, add_admin_routes, other_ids
+
+if TYPE_CHECKING:  # the model module imports transformers, which synthetic mode never needs
+    from app.reference.model import ModelRunner
 
 DUMP_PROTOCOL = 1
 DEFAULT_MAX_NEW_TOKENS = 16  # SGLang's default
@@ -59,13 +64,29 @@ class GenerateRequest:
 
 
 class Engine:
-    """Serialises forwards under one lock so counter values, forwards and dumps happen in one order."""
+    """Runs forwards and writes their dumps.
 
-    def __init__(self, runner: ModelRunner, writer: DumpWriter, name_by: str):
+    Forwards are serialised under one lock, so counter values, forwards and dumps happen in one
+    order; with concurrent=True (synthetic rid mode with --max-batch > 1, where the runner batches
+    concurrent callers itself) only the counter is, and requests overlap.
+
+    Optional server-settings faults: prefix_cache (--enable-radix-cache) trims the rows a prompt
+    shares with an earlier one from its dump; chunked_prefill_size > 0 dumps a longer prompt as one
+    dump per chunk. faults (--enable-fault-injection) draws a SequencePlan per /generate sequence.
+    """
+
+    def __init__(self, runner: ModelRunner, writer: DumpWriter, name_by: str, *,
+                 faults: FaultInjector | None = None, prefix_cache: PrefixCache | None = None,
+                 chunked_prefill_size: int = -1, concurrent: bool = False):
         self.runner = runner
         self.writer = writer
         self.name_by = name_by
+        self.faults = faults
+        self.prefix_cache = prefix_cache
+        self.chunked_prefill_size = chunked_prefill_size
+        self.concurrent = concurrent
         self.counter = 0
+        self._counter_lock = threading.Lock()
         self._forward_lock = threading.Lock()
         self._rids_lock = threading.Lock()
         self._in_flight: set[str] = set()
@@ -84,21 +105,90 @@ class Engine:
             with self._rids_lock:
                 self._in_flight.difference_update(rids)
 
-    def forward(self, input_ids: list[int], max_new_tokens: int, rid: str) -> ForwardResult:
-        with self._forward_lock:
+    def _next_counter(self) -> int:
+        with self._counter_lock:
             counter = self.counter
             self.counter += 1
-            started = time.monotonic()
-            result = self.runner.run(input_ids, max_new_tokens)
-            key = rid if self.name_by == "rid" else str(counter)
-            self.writer.write(
-                key, rid=rid, counter=counter, input_ids=input_ids, hidden_states=result.hidden_states
-            )
+            return counter
+
+    def _key(self, rid: str, counter: int) -> str:
+        return rid if self.name_by == "rid" else str(counter)
+
+    def forward(self, input_ids: list[int], max_new_tokens: int, rid: str, *,
+                plan: SequencePlan | None = None, cacheable: bool = False) -> ForwardResult:
+        """One sequence's forward and its dump(s); `cacheable` for /generate prompts, not health checks."""
+        with nullcontext() if self.concurrent else self._forward_lock:
+            if plan is not None and plan.crash:
+                self.faults.crash(rid)
+            before = plan.foreign_before if plan is not None else 0
+            after = plan.foreign_after if plan is not None else 0
+            health_like = plan is not None and plan.health_like
+            for j in range(before):
+                self._write_foreign(input_ids, j, health_like=health_like and j == 0)
+            result = self._forward(input_ids, max_new_tokens, rid, plan, cacheable)
+            for j in range(before, before + after):
+                self._write_foreign(input_ids, j, health_like=health_like and j == 0)
+        return result
+
+    def _forward(self, input_ids: list[int], max_new_tokens: int, rid: str, plan: SequencePlan | None,
+                 cacheable: bool) -> ForwardResult:
+        counter = self._next_counter()
+        started = time.monotonic()
+        use_cache = cacheable and self.prefix_cache is not None
+        cached = self.prefix_cache.match(input_ids) if use_cache else 0
+        result = self.runner.run(input_ids, max_new_tokens)
+        if use_cache:
+            self.prefix_cache.insert(input_ids)
+        result.cached_tokens = cached
+        total = len(input_ids)
+        step = self.chunked_prefill_size if self.chunked_prefill_size > 0 else total
+        # One forward pass per chunk of the non-cached part; each pass writes a dump of its rows.
+        bounds = [(a, min(a + step, total)) for a in range(cached, total, step)]
+        keys = []
+        for n, (a, b) in enumerate(bounds):
+            if n:
+                counter = self._next_counter()
+            if (a, b) == (0, total):
+                ids, hidden = input_ids, result.hidden_states
+            else:
+                ids, hidden = input_ids[a:b], {i: t[a:b] for i, t in result.hidden_states.items()}
+            key = self._key(rid, counter)
+            keys.append(key)
+            last = n == len(bounds) - 1
+            self._write(key, rid, counter, ids, hidden, cached, plan if last else None, result)
+        chunks = f" chunks={len(bounds)}" if len(bounds) > 1 else ""
         log(
-            f"req_{key} counter={counter} rid={rid} prompt={len(input_ids)} "
+            f"req_{keys[-1]} counter={counter} rid={rid} prompt={total} cached={cached}{chunks} "
             f"new={len(result.output_ids)} {1000 * (time.monotonic() - started):.0f}ms"
         )
         return result
+
+    def _write(self, key: str, rid: str, counter: int, input_ids: list[int], hidden: dict, cached: int,
+               plan: SequencePlan | None, result: ForwardResult) -> None:
+        bad = plan.bad_kind if plan is not None else None
+        late = plan.late_done if plan is not None else None
+        writer = BadDumpWriter(self.writer, bad, self.runner.vocab_size) if bad else self.writer
+        directory = writer.write(key, rid=rid, counter=counter, input_ids=input_ids, hidden_states=hidden,
+                                 cached_tokens=cached, done=late is None)
+        if bad:
+            self.faults.count(f"bad_dump.{bad}")
+            log(f"fault: req_{key} written as bad dump {bad}")
+        if late is not None:
+            result.late_done.append((directory, late))
+            self.faults.count("late_done" if late != float("inf") else "never_done")
+
+    def _write_foreign(self, input_ids: list[int], j: int, *, health_like: bool) -> None:
+        """Fault: a complete dump of someone else's request, with its own counter value."""
+        if health_like:
+            ids, rid = [0], f"HEALTH_CHECK_{time.time()}"
+        else:
+            ids, rid = other_ids(input_ids, self.runner.vocab_size, shift=1 + j), f"foreign-{uuid.uuid4().hex}"
+        counter = self._next_counter()
+        result = self.runner.run(ids, 0)
+        key = self._key(rid, counter)
+        self.writer.write(key, rid=rid, counter=counter, input_ids=ids, hidden_states=result.hidden_states)
+        self.faults.count("health_like_dump" if health_like else "foreign_dump")
+        log(f"fault: foreign dump req_{key} counter={counter} rid={rid} prompt={len(ids)}")
 
 
 def _is_int(value: Any) -> bool:
@@ -183,11 +273,11 @@ def _reply(rid: str, prompt: list[int], result: ForwardResult, hidden: bool) -> 
         "id": rid,
         "prompt_tokens": len(prompt),
         "completion_tokens": n,
-        "cached_tokens": 0,
+        "cached_tokens": result.cached_tokens,
         "finish_reason": {"type": "length", "length": n},
     }
     if hidden:
-        meta["hidden_states"] = result.final_hidden.float().tolist()
+        meta["hidden_states"] = result.last_hidden().float().tolist()
     return {"text": "", "output_ids": result.output_ids, "meta_info": meta}
 
 
@@ -197,7 +287,16 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def create_app(engine: Engine, settings: ServerSettings, ready: threading.Event) -> FastAPI:
     runner = engine.runner
-    app = FastAPI(title="hsx reference server")
+    faults = engine.faults
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Every in-flight request holds a worker thread; a batching runner needs more than the default 40.
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, 4 * getattr(runner, "max_batch", 1) + 8)
+        yield
+
+    app = FastAPI(title="hsx reference server", lifespan=lifespan)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
@@ -206,16 +305,29 @@ def create_app(engine: Engine, settings: ServerSettings, ready: threading.Event)
     def generate_sync(body: Any) -> Any:
         req = parse_generate(body, runner, settings.name_by)
         hidden = req.return_hidden_states and settings.enable_return_hidden_states
+        delay = faults.request_delay() if faults is not None else 0.0
+        late_done: list[tuple[Path, float]] = []
         with engine.claim_rids(req.rids):
             replies = []
             for rid, ids in zip(req.rids, req.sequences):
                 # Decoding stops at the context length, as in SGLang.
                 n = min(req.max_new_tokens, runner.max_position_embeddings - len(ids))
-                replies.append(_reply(rid, ids, engine.forward(ids, n, rid), hidden))
+                plan = faults.plan_sequence() if faults is not None else None
+                result = engine.forward(ids, n, rid, plan=plan, cacheable=True)
+                late_done.extend(result.late_done)
+                replies.append(_reply(rid, ids, result, hidden))
+            if delay:
+                faults.count("delay")
+                log(f"fault: delaying the reply to rid(s) {req.rids} by {delay}s")
+                time.sleep(delay)
+        if late_done:
+            faults.schedule_done(late_done)
         return replies if req.is_batch else replies[0]
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
+        if faults is not None and faults.unavailable_now():
+            return _error(503, "the server is unavailable (injected fault)")
         try:
             body = await request.json()
         except ValueError:
@@ -224,6 +336,8 @@ def create_app(engine: Engine, settings: ServerSettings, ready: threading.Event)
 
     def health_sync() -> Response:
         if not ready.is_set():
+            return Response(status_code=503)
+        if faults is not None and faults.unavailable_now():
             return Response(status_code=503)
         # Like SGLang, a health probe is a real forward, so it consumes a counter value and writes a dump.
         engine.forward([0], 1, f"HEALTH_CHECK_{time.time()}")
@@ -248,10 +362,10 @@ def create_app(engine: Engine, settings: ServerSettings, ready: threading.Event)
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict:
-        return {
+        info = {
             "model_path": runner.model_path,
-            "disable_radix_cache": True,
-            "chunked_prefill_size": -1,
+            "disable_radix_cache": engine.prefix_cache is None,
+            "chunked_prefill_size": engine.chunked_prefill_size,
             "max_req_input_len": runner.max_position_embeddings,
             "enable_return_hidden_states": settings.enable_return_hidden_states,
             "skip_server_warmup": settings.skip_server_warmup,
@@ -264,11 +378,21 @@ def create_app(engine: Engine, settings: ServerSettings, ready: threading.Event)
                 "dtype": runner.dtype_name,
             },
         }
+        if faults is not None:
+            info["enable_fault_injection"] = True
+        if hasattr(runner, "info"):  # synthetic mode
+            info["synthetic"] = runner.info()
+        return info
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.clear()
+            return PlainTextResponse("Cache flushed.")
         return PlainTextResponse("Cache flushed (the reference server has no cache).")
 
+    if faults is not None:
+        add_admin_routes(app, faults)
     return app
 
 

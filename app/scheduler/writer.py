@@ -3,6 +3,12 @@
 Only one writer may use a dump root: the file-system lock (DumpRoot.acquire) stops a second
 process here, and the database allows one running sample per writer identity.
 
+The GPU should never wait on us. The request loop only sends, finds, validates and stages: a
+validated dump is renamed out of the root (the root is clear again at once) and a background
+flusher writes shards from the staged dumps while the next request runs. In rid mode several
+slots keep requests in flight at once; each slot claims under its own identity ("<writer>#<n>"),
+so the database still holds one running sample per identity. Staged bytes are bounded.
+
 Whatever breaks, a sample ends stored with its own tensors or failed with a reason:
 - the model server down or restarting: the attempt is given back unspent, the writer backs off
   and waits for /health before it trusts the server again, re-reading its settings;
@@ -34,7 +40,7 @@ from app.backends.extract import Expectation, Extractor
 from app.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
 from app.config import Settings
 from app.db import repository as repo
-from app.manifests import job_dir, write_manifest
+from app.manifests import finish_job, job_dir
 from app.scheduler.metrics import WriterMetrics
 from app.scheduler.server_check import dump_breaking_settings
 from app.storage.shards import ShardSample, shard_name, write_shard
@@ -104,12 +110,19 @@ class Writer:
         self._backoff = 0.5
         self._paused: str | None = None
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
-        self._manifests_due: set[str] = set()
+        self._finish_due: set[str] = set()
+        # Guards _pending and _finish_due; the condition wakes slots waiting for staging room.
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._server_lock = threading.Lock()
+        self._flush_wake = threading.Event()
+        self.slots = max(1, settings.max_in_flight)
+        self.max_staged_bytes = max(2 * settings.shard_max_bytes, 64 * 1024 * 1024)
         self._started_at = repo.utcnow()
         self._reported_at = 0.0
         self._swept_at = 0.0
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     # --- life cycle -------------------------------------------------------------------------
 
@@ -127,13 +140,20 @@ class Writer:
             self._pending[job_id]
         if requeued or kept:
             log.info("recovered: %d samples requeued, %d staged samples kept", requeued, kept)
-        self._thread = threading.Thread(target=self._run, name="hsx-writer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(self.step, i), name=f"hsx-writer-{i}", daemon=True)
+                         for i in range(self.slots)]
+        self._threads.append(threading.Thread(target=self._run, args=(self.flush_step, 0), name="hsx-flusher",
+                                              daemon=True))
+        for t in self._threads:
+            t.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=self.settings.request_timeout_s + 10)
+        self._flush_wake.set()
+        with self._room:
+            self._room.notify_all()
+        for t in self._threads:
+            t.join(timeout=self.settings.request_timeout_s + 10)
         self.status.set("stopped")
         try:
             self._report(force=True)
@@ -142,13 +162,16 @@ class Writer:
         self.client.close()
         self.root.release()
 
-    def _run(self) -> None:
+    def _run(self, step: Callable[[int], bool], slot: int) -> None:
         while not self._stop.is_set():
             try:
-                self.step()
+                step(slot)
             except Exception:  # the loop must outlive any one failure; the sample's state says what happened
                 log.exception("writer step failed")
                 self._stop.wait(1.0)
+
+    def slot_identity(self, slot: int) -> str:
+        return self.identity if slot == 0 else f"{self.identity}#{slot}"
 
     # --- database -----------------------------------------------------------------------------
 
@@ -182,23 +205,28 @@ class Writer:
 
     # --- one step -----------------------------------------------------------------------------
 
-    def step(self) -> bool:
-        """Process at most one sample; returns whether one was processed."""
-        self._report()
-        self._write_due_manifests()
+    def step(self, slot: int = 0) -> bool:
+        """One request loop turn: process at most one sample; returns whether one was processed."""
+        if slot == 0:
+            self._report()
         if not self._ensure_server():
             self._stop.wait(self._backoff)
             self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
             return False
-        self._flush_due()
+        if slot > 0 and self.extractor.name_by != "rid":
+            self._stop.wait(1.0)  # counter naming needs the root to itself: one request at a time
+            return False
         if self._paused:
             self._set_status("waiting", self._paused)
             self._stop.wait(DISK_RETRY_S)
             return False
+        if not self._wait_for_room():
+            return False
         self._set_status("ready")
-        claimed = self._db(lambda s: repo.claim_next(s, self.identity))
+        claimed = self._db(lambda s: repo.claim_next(s, self.slot_identity(slot)))
         if claimed is None:
-            self._sweep()
+            if slot == 0:
+                self._sweep()
             self._stop.wait(IDLE_POLL_S)
             return False
         if claimed.job_layers is not None and self._server_layers not in (None, claimed.job_layers):
@@ -208,9 +236,34 @@ class Writer:
         self._settle_job(claimed.job_id)
         return True
 
+    def flush_step(self, _slot: int = 0) -> None:
+        """The flusher's turn: write shards that are due and finish the jobs they complete."""
+        self._flush_wake.wait(IDLE_POLL_S * 2)
+        self._flush_wake.clear()
+        self._retry_finishes()
+        self._flush_due()
+
+    def _staged_bytes(self) -> int:
+        return sum(p.bytes for p in self._pending.values())
+
+    def _wait_for_room(self) -> bool:
+        """Bound what waits in staging: when the disk is slower than the server, requests wait."""
+        with self._room:
+            if self._staged_bytes() < self.max_staged_bytes:
+                return True
+            self._flush_wake.set()
+            self._room.wait(timeout=1.0)
+            return self._staged_bytes() < self.max_staged_bytes
+
     def _ensure_server(self) -> bool:
         if self.extractor is not None and time.monotonic() - self._checked_at < SERVER_RECHECK_S:
             return True
+        with self._server_lock:
+            if self.extractor is not None and time.monotonic() - self._checked_at < SERVER_RECHECK_S:
+                return True
+            return self._check_server()
+
+    def _check_server(self) -> bool:
         try:
             if self._outage:
                 # A restarting server answers some endpoints before it is ready; /health says when.
@@ -299,8 +352,8 @@ class Writer:
                 repo.record_failed_attempt(s, c, reason="wrong_model: dump differs from the job's model",
                                            max_attempts=self.settings.max_attempts)
                 return False
-            repo.mark_staged(s, c, staged_path=str(dump.path), observed_tokens=dump.num_tokens,
-                             dump_key=dump.key, boot_id=meta.get("boot_id"))
+            repo.mark_staged(s, c, writer=self.identity, staged_path=str(dump.path),
+                             observed_tokens=dump.num_tokens, dump_key=dump.key, boot_id=meta.get("boot_id"))
             return True
 
         if not self._db(stage):
@@ -308,10 +361,12 @@ class Writer:
             return
         self.metrics.attempt("ok")
         self.metrics.extracted(dump.num_tokens, dump.nbytes)
-        pending = self._pending[c.job_id]
-        pending.bytes += dump.nbytes
-        if pending.bytes >= self.settings.shard_max_bytes:
-            self._flush(c.job_id)
+        # Only after the commit: a flush that started before it must not have swallowed this entry.
+        with self._lock:
+            pending = self._pending[c.job_id]
+            pending.bytes += dump.nbytes
+            if pending.bytes >= self.settings.shard_max_bytes:
+                self._flush_wake.set()
 
     def _sweep(self) -> None:
         if self.extractor is None or self.extractor.name_by != "rid":
@@ -334,25 +389,34 @@ class Writer:
         join them, then finish the job if that was the last of it."""
         job = self._db(lambda s: repo.get_job(s, job_id))
         idle = job is not None and job.n_queued == 0 and job.n_running == 0
-        if idle and job_id in self._pending:
-            self._flush(job_id)
-        self._finish(job_id)
+        with self._lock:
+            has_pending = job_id in self._pending
+        if idle and has_pending:
+            self._flush_wake.set()
+        elif not has_pending:
+            self._finish(job_id)
 
     def _flush_due(self) -> None:
         now = time.monotonic()
-        for job_id, pending in list(self._pending.items()):
+        with self._lock:
+            due = list(self._pending.items())
+        for job_id, pending in due:
             job = self._db(lambda s, j=job_id: repo.get_job(s, j))
             idle = job is None or (job.n_queued == 0 and job.n_running == 0)
-            if idle or now - pending.since >= self.settings.shard_max_wait_s:
-                if self._flush(job_id):
+            aged = now - pending.since >= self.settings.shard_max_wait_s
+            if idle or aged or pending.bytes >= self.settings.shard_max_bytes:
+                if self._flush(job_id, complete=idle or aged):
                     self._finish(job_id)
 
-    def _flush(self, job_id: str) -> bool:
-        """Write this writer's staged samples of a job as one shard. On failure they stay staged
-        and are tried again: soon when the disk was full, else after shard_max_wait_s."""
-        pending = self._pending.pop(job_id, None) or _Pending()
+    def _flush(self, job_id: str, *, complete: bool) -> bool:
+        """Write this writer's staged samples of a job as shards of at most shard_max_bytes (a
+        sample larger than that gets a shard of its own). The last, smaller shard is written only
+        when `complete`; otherwise its samples keep waiting. On failure everything stays staged and
+        is tried again: soon when the disk was full, else after shard_max_wait_s."""
+        with self._lock:
+            pending = self._pending.pop(job_id, None) or _Pending()
         try:
-            self._write_staged(job_id)
+            left = self._write_staged(job_id, complete)
         except Exception as exc:
             if _disk_full(exc):
                 self._paused = f"output disk full, extraction paused until there is room: {exc}"
@@ -360,33 +424,53 @@ class Writer:
             else:
                 log.exception("job %s: writing a shard failed; its staged samples wait for the next try", job_id)
                 pending.since = time.monotonic()
-            self._pending[job_id] = pending
-            return False
-        self._paused = None
-        return True
+            left = pending.bytes
+        else:
+            self._paused = None
+        if left:
+            with self._lock:
+                self._pending[job_id].bytes += left
+                self._pending[job_id].since = pending.since
+        with self._room:
+            self._room.notify_all()
+        return not left
 
-    def _write_staged(self, job_id: str) -> None:
-        staged = [x for x in self._db(lambda s: repo.staged_samples(s, self.identity)) if x.job_id == job_id]
+    def _write_staged(self, job_id: str, complete: bool) -> int:
+        """Write full shards (and the last one when `complete`); return the bytes left staged."""
+        staged = self._db(lambda s: repo.staged_samples(s, self.identity, job_id))
         job = self._db(lambda s: repo.get_job(s, job_id))
         if not staged or job is None:
-            return
-        pieces, lost = [], []
+            return 0
+        chunks: list[list[tuple]] = [[]]
+        size, lost = 0, []
         for x in staged:
             try:
                 dump = load_staged(Path(x.staged_path))
             except (DumpRejected, OSError) as exc:
                 lost.append((x.pk, str(exc)))
                 continue
+            if chunks[-1] and size + dump.nbytes > self.settings.shard_max_bytes:
+                chunks.append([])
+                size = 0
             ids = np.frombuffer(x.input_ids, dtype="<i4").astype(np.int64)
             mask = (np.frombuffer(x.loss_mask, dtype=np.uint8) if x.loss_mask is not None
                     else np.ones(len(ids), dtype=np.uint8)).astype(np.int64)
-            pieces.append((x, ShardSample(x.sample_id, ids, mask, dump.layers)))
+            chunks[-1].append((x, ShardSample(x.sample_id, ids, mask, dump.layers)))
+            size += dump.nbytes
         if lost:
             self._db(lambda s: [repo.requeue_staged(s, job_id, [pk], f"staged dump unreadable: {why}")
                                 for pk, why in lost])
-        if not pieces:
-            return
-        info = job.model_info
+        left = 0
+        if chunks[-1] and not complete and size < self.settings.shard_max_bytes:
+            chunks.pop()
+            left = size
+        for chunk in chunks:
+            if chunk:
+                self._write_shard(job, chunk)
+        return left
+
+    def _write_shard(self, job, pieces: list[tuple]) -> None:
+        info, job_id = job.model_info, job.id
         number = self._db(lambda s: repo.reserve_shard_number(s, job_id))
         out = job_dir(self.settings.output_root, job_id) / shard_name(number)
         shard = write_shard(out, [p for _, p in pieces], info["layers"], info["dtype"], info["hidden_size"])
@@ -399,29 +483,29 @@ class Writer:
                  shard.num_tokens, shard.bytes)
 
     def _finish(self, job_id: str) -> None:
-        if self._db(lambda s: repo.finish_job_if_done(s, job_id)):
-            self._manifests_due.add(job_id)
-            self._write_due_manifests()
-
-    def _write_due_manifests(self) -> None:
-        """manifest.json of finished jobs, retried until the disk takes it."""
-        for job_id in list(self._manifests_due):
-            try:
-                with self.sessions() as s:
-                    job = repo.get_job(s, job_id)
-                    if job is None:
-                        self._manifests_due.discard(job_id)
-                        continue
-                    known = {sh.name for sh in repo.job_shards(s, job_id)}
-                    path = write_manifest(s, job, self.settings.output_root)
-            except (OperationalError, InterfaceError, OSError) as exc:
-                if _disk_full(exc):
-                    self._paused = f"output disk full, manifest of {job_id} not written yet: {exc}"
-                log.warning("job %s: manifest not written yet: %s", job_id, exc)
-                return
-            self._manifests_due.discard(job_id)
+        """End the job if it is settled; when its manifest cannot be written yet (disk full), the
+        job stays unfinished and the flusher tries again."""
+        try:
+            final = self._db(lambda s: finish_job(s, job_id, self.settings.output_root))
+        except OSError as exc:
+            if _disk_full(exc):
+                self._paused = f"output disk full, manifest of {job_id} not written yet: {exc}"
+            log.warning("job %s: manifest not written yet: %s", job_id, exc)
+            with self._lock:
+                self._finish_due.add(job_id)
+            return
+        with self._lock:
+            self._finish_due.discard(job_id)
+        if final:
+            known = {sh.name for sh in self._db(lambda s: repo.job_shards(s, job_id))}
             self._remove_leftovers(job_id, known)
-            log.info("job %s %s; manifest at %s", job_id, job.state, path)
+            log.info("job %s %s; manifest at %s", job_id, final, job_dir(self.settings.output_root, job_id))
+
+    def _retry_finishes(self) -> None:
+        with self._lock:
+            due = list(self._finish_due)
+        for job_id in due:
+            self._finish(job_id)
 
     def _remove_leftovers(self, job_id: str, known: set[str]) -> None:
         """Once a job is finished, nothing can still be writing into it: drop temp files and shards

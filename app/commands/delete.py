@@ -1,0 +1,36 @@
+"""`hsx delete`: delete a finished job's records, and with --files its shards and manifest."""
+
+from __future__ import annotations
+
+import argparse
+
+from app.commands.common import ENV_NOTE, add_common, print_json, run
+
+NAME = "delete"
+HELP = "delete a finished job (and with --files its shards and manifest)"
+DESCRIPTION = f"""Delete a finished (succeeded, failed or cancelled) job's records from the service's database.
+With --files the service also deletes the job's shards and manifest.json from its output root. A queued or
+running job must be cancelled first (exit 2). --json prints {{"deleted": JOB, "files": true|false}}.
+{ENV_NOTE}
+
+example:
+  hsx delete job_0123abcd --files
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", metavar="JOB", help="job id")
+    parser.add_argument("--files", action="store_true", help="also delete its shards and manifest on the service")
+    add_common(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    def body(hsx) -> int:
+        hsx.delete(args.job, files=args.files)
+        if args.json:
+            print_json({"deleted": args.job, "files": args.files})
+        else:
+            print(f"deleted {args.job}" + (" and its files" if args.files else " (its files are kept)"))
+        return 0
+
+    return run(args, body)

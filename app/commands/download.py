@@ -1,0 +1,92 @@
+"""`hsx download`: a job's shards and manifest.json into a folder, resumable and sha256-checked."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from app.commands.common import ENV_NOTE, TERMINAL, add_common, follow, human_bytes, print_json, run
+
+NAME = "download"
+HELP = "download a job's shards and manifest.json into DIR (resumable, sha256-checked)"
+DESCRIPTION = f"""Download every shard of a job and its manifest.json into DIR.
+
+Each shard arrives as DIR/<shard>.part and is renamed into place only after its sha256 matches the
+manifest's; run the same command again after an interruption and it resumes each part where it stopped
+(HTTP Range) and skips shards already there. A shard whose bytes do not match is deleted and reported
+(exit 1). manifest.json is written last, once the job has finished, so its presence means the folder is
+complete; for a job still running only the shards written so far are fetched (--wait waits for the job to
+finish first). --json prints {{"job_id", "state", "directory", "manifest", "shards": [{{"name", "bytes", "sha256",
+"resumed_from", "skipped"}}]}}.
+{ENV_NOTE}
+
+examples:
+  hsx download job_0123abcd out/run1
+  hsx download job_0123abcd out/run1 --wait --json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", metavar="JOB", help="job id")
+    parser.add_argument("dir", metavar="DIR", help="folder to download into (created if missing)")
+    parser.add_argument("--wait", action="store_true", help="wait for the job to finish first")
+    add_common(parser)
+
+
+class ShardProgress:
+    def __init__(self, tty: bool):
+        self.tty = tty
+        self.started: dict[str, int] = {}
+        self.drawn = False
+
+    def __call__(self, name: str, done: int, total: int) -> None:
+        self.started.setdefault(name, done)
+        if self.tty:
+            sys.stdout.write(f"\r\033[K  {name}  {human_bytes(done)} / {human_bytes(total)}")
+            sys.stdout.flush()
+            self.drawn = True
+
+    def clear(self) -> None:
+        if self.drawn:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()
+            self.drawn = False
+
+
+def main(args: argparse.Namespace) -> int:
+    def body(hsx) -> int:
+        if args.wait:
+            job = follow(hsx, args.job, as_json=args.json) if not args.json else hsx.wait(args.job, max_poll_s=2)
+            if not args.json:
+                print(f"{job.id} {job.state}")
+        directory = Path(args.dir)
+        progress = ShardProgress(tty=not args.json and sys.stdout.isatty())
+        try:
+            manifest = hsx.download_job(args.job, directory, on_progress=progress)
+        finally:
+            progress.clear()
+        shards = []
+        for s in manifest.shards:
+            resumed = progress.started.get(s.name)
+            shards.append({"name": s.name, "bytes": s.bytes, "sha256": s.sha256,
+                           "resumed_from": resumed or 0, "skipped": resumed is None})
+        finished = manifest.state in TERMINAL
+        if not finished:
+            print(f"hsx download: job {manifest.job_id} is {manifest.state}: downloaded the {len(shards)} shard(s) "
+                  "written so far; run this again once it has finished for the rest and manifest.json",
+                  file=sys.stderr)
+        if args.json:
+            print_json({"job_id": manifest.job_id, "state": manifest.state, "directory": str(directory),
+                        "manifest": str(directory / "manifest.json") if finished else None, "shards": shards})
+            return 0
+        for s in shards:
+            how = "already there" if s["skipped"] else \
+                f"resumed from byte {s['resumed_from']}" if s["resumed_from"] else "downloaded"
+            print(f"  {s['name']}  {human_bytes(s['bytes'])}  sha256 ok  ({how})")
+        total = sum(s["bytes"] for s in shards)
+        print(f"{manifest.job_id} {manifest.state}: {len(shards)} shard(s), {human_bytes(total)}, "
+              f"{len(manifest.samples)} sample(s) in {directory}/" + (" with manifest.json" if finished else ""))
+        return 0
+
+    return run(args, body)

@@ -1,0 +1,66 @@
+"""`hsx status`: a job's state and progress, once or followed until it finishes."""
+
+from __future__ import annotations
+
+import argparse
+
+from app.commands.common import ENV_NOTE, Progress, add_common, duration, outcome, print_json, progress_line, run, when
+
+NAME = "status"
+HELP = "show a job's progress (bar, rate, ETA); --watch follows it until it finishes"
+DESCRIPTION = f"""Show a job's state and progress: samples and tokens extracted, rate, ETA, failures.
+
+On a terminal, --watch redraws one progress line in place until the job is succeeded, failed or cancelled
+(exit 0 only if it succeeded); when the output is not a terminal it prints a plain line whenever the progress
+changes. With --json the job is printed as JSON (with --watch: one JSON line per change, the last one final).
+{ENV_NOTE}
+
+examples:
+  hsx status job_0123abcd
+  hsx status job_0123abcd --watch
+  hsx status job_0123abcd --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["state"])'
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", metavar="JOB", help="job id")
+    parser.add_argument("--watch", action="store_true", help="follow the job until it finishes")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between updates (default: "
+                                                                    "%(default)s)")
+    add_common(parser)
+
+
+def describe(job) -> list[str]:
+    lines = [f"{job.id}  {job.name or '-'}  created {when(job.created_at)}"
+             + (f"  layers {job.layers}" if job.layers else "")]
+    if job.finished_at and job.started_at:
+        lines.append(f"finished {when(job.finished_at)} after "
+                     f"{duration((job.finished_at - job.started_at).total_seconds())}, "
+                     f"{job.shards_written} shard(s)")
+    if job.error:
+        lines.append(f"error: {job.error}")
+    return lines
+
+
+def main(args: argparse.Namespace) -> int:
+    def body(hsx) -> int:
+        if not args.watch:
+            job = hsx.get_job(args.job)
+            if args.json:
+                print_json(job)
+            else:
+                print("\n".join([*describe(job), progress_line(job)]))
+            return 0
+        progress = Progress(as_json=args.json)
+        if not args.json:
+            print(describe(hsx.get_job(args.job))[0], flush=True)
+        try:
+            job = hsx.wait(args.job, poll_s=min(0.5, args.interval), max_poll_s=args.interval, on_progress=progress)
+        finally:
+            progress.close()
+        if not args.json:
+            for line in describe(job)[1:]:
+                print(line)
+        return outcome(job, as_json=args.json)
+
+    return run(args, body)

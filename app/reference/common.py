@@ -1,0 +1,50 @@
+"""What the server, the model runner and the synthetic runner share, importable without transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def default_capture_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's aux layers plus the post-norm last layer, in HF hidden_states numbering."""
+    wanted = (2, num_layers // 2, num_layers - 3, num_layers)
+    return sorted({i for i in wanted if 0 <= i <= num_layers})
+
+
+def as_tensor(t) -> torch.Tensor:
+    """A hidden-state value as a tensor: tensors as they are, lazy ones (synthetic.RowGather) gathered."""
+    return t if isinstance(t, torch.Tensor) else t.materialize()
+
+
+@dataclass
+class ForwardResult:
+    # Captured layer -> [T, hidden] in the model dtype: a tensor, or in synthetic mode a lazy
+    # synthetic.RowGather (shape, dtype, row slices, materialize(), buffers()) that DumpWriter streams.
+    hidden_states: dict[int, torch.Tensor]
+    # Post-norm last layer [T, hidden], for return_hidden_states; a runner that would have to compute
+    # it separately gives a function instead (final_hidden_fn), called only when a reply needs it.
+    final_hidden: torch.Tensor | None
+    output_ids: list[int]
+    final_hidden_fn: Callable[[], torch.Tensor] | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (--enable-radix-cache)
+    # Dumps written without `done` whose marker is due after the reply: (directory, seconds; inf = never).
+    late_done: list[tuple[Path, float]] = field(default_factory=list)
+
+    def last_hidden(self) -> torch.Tensor:
+        if self.final_hidden is None and self.final_hidden_fn is not None:
+            self.final_hidden = self.final_hidden_fn()
+        return self.final_hidden

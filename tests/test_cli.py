@@ -1,0 +1,245 @@
+"""The `hsx` client commands against the real service and reference server: output (plain and --json), exit
+codes, errors on stderr, resumable verified downloads, progress display."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from app import cli
+from app.commands.common import Progress
+from app.sdk import HsxClient
+from tests.support.procs import hsx_command
+from tests.test_extraction_e2e import make_samples
+from tests.test_sdk import start_stack, stop_stack
+
+WRITE, READ = "cli-writer", "cli-reader"
+CLIENT_COMMANDS = ["submit", "status", "jobs", "samples", "cancel", "retry", "delete", "manifest", "download"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, checkpoint):
+    svc, ref = start_stack(tmp_path_factory.mktemp("cli"), checkpoint,
+                           ["--shard-max-bytes", "40000", "--api-tokens", f"{WRITE},{READ}:read"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HSX_URL", svc.url)
+        mp.setenv("HSX_TOKEN", WRITE)
+        yield svc
+    stop_stack(svc, ref)
+
+
+@pytest.fixture
+def run(stack, capsys):
+    """Run `hsx ARGS...` in this process: (exit code, stdout, stderr)."""
+
+    def go(*argv: str) -> tuple[int, str, str]:
+        code = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return go
+
+
+def jsonl(path: Path, samples: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished(stack, tmp_path_factory):
+    """A job submitted through the CLI and followed to its end."""
+    path = jsonl(tmp_path_factory.mktemp("in") / "in.jsonl", make_samples(6, seed=51, lo=30, hi=60))
+    code = cli.main(["submit", str(path), "--name", "cli-run", "--wait", "--json", "--interval", "0.2"])
+    assert code == 0
+    with HsxClient() as hsx:
+        job = next(hsx.iter_jobs(state="succeeded"))
+        assert job.name == "cli-run"
+        return job, [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_command_explains_itself_with_an_example(capsys):
+    for name in CLIENT_COMMANDS:
+        with pytest.raises(SystemExit) as exc:
+            cli.main([name, "--help"])
+        out = capsys.readouterr().out
+        assert exc.value.code == 0
+        assert "example" in out and f"hsx {name}" in out and "--url" in out and "--token" in out and "--json" in out
+
+
+def test_submit_status_jobs_samples_manifest(run, finished, tmp_path):
+    job, samples = finished
+    path = jsonl(tmp_path / "s.jsonl", make_samples(2, seed=52))
+    code, out, _ = run("submit", path, "--idempotency-key", "cli-k", "--layers", "2,4,5,8")
+    assert code == 0 and out.startswith("job_") and "2 samples" in out
+    first = out.split()[0]
+    code, out, _ = run("submit", path, "--idempotency-key", "cli-k", "--layers", "2,4,5,8", "--json")
+    assert code == 0 and json.loads(out)["id"] == first and json.loads(out)["layers"] == [2, 4, 5, 8]
+
+    code, out, _ = run("status", first, "--watch", "--interval", "0.2")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith(first) and "\r" not in out  # not a terminal: plain lines
+    assert any(x.startswith("[" + "#" * 30 + "] succeeded 2/2 samples") for x in lines)
+    code, out, _ = run("status", first, "--watch", "--json")
+    assert code == 0 and json.loads(out.splitlines()[-1])["state"] == "succeeded"
+    code, out, _ = run("status", job.id)
+    assert code == 0 and job.id in out and "6/6 samples" in out and "tok/s" in out and "ETA" in out
+    code, out, _ = run("status", job.id, "--json")
+    assert json.loads(out)["counts"]["succeeded"] == 6
+
+    code, out, _ = run("jobs", "--json", "--all")
+    listed = json.loads(out)
+    assert code == 0 and {job.id, first} <= {j["id"] for j in listed}
+    code, out, _ = run("jobs", "--limit", "1", "--state", "succeeded")
+    assert code == 0 and out.splitlines()[0].split() == ["ID", "STATE", "STORED", "FAILED", "TOKENS", "CREATED",
+                                                         "NAME"] and len(out.splitlines()) == 2
+
+    code, out, _ = run("samples", job.id, "--json")
+    assert code == 0 and [s["id"] for s in json.loads(out)] == [s["id"] for s in samples]
+    code, out, _ = run("samples", job.id, "--limit", "2")
+    assert len(out.splitlines()) == 3 and samples[1]["id"] in out
+    code, out, _ = run("samples", job.id, samples[0]["id"])
+    assert code == 0 and "attempt 1: ok" in out and "shard-" in out
+    code, out, _ = run("samples", job.id, "--state", "failed", "--json")
+    assert code == 0 and json.loads(out) == []
+
+    code, out, _ = run("manifest", job.id)
+    manifest = json.loads(out)
+    assert code == 0 and manifest["job_id"] == job.id and len(manifest["samples"]) == 6
+    code, out, _ = run("manifest", job.id, "-o", tmp_path / "m" / "manifest.json", "--json")
+    assert code == 0 and json.loads(out)["shards"] == len(manifest["shards"])
+    assert json.loads((tmp_path / "m" / "manifest.json").read_text()) == manifest
+
+
+def test_download_resumes_and_verifies(run, finished, tmp_path):
+    job, _ = finished
+    out_dir = tmp_path / "out"
+    code, out, _ = run("download", job.id, out_dir, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["state"] == "succeeded" and len(report["shards"]) >= 2
+    for s in report["shards"]:
+        assert hashlib.sha256((out_dir / s["name"]).read_bytes()).hexdigest() == s["sha256"]
+        assert not s["skipped"] and s["resumed_from"] == 0
+    assert json.loads((out_dir / "manifest.json").read_text())["job_id"] == job.id
+
+    first, second = report["shards"][:2]
+    data = (out_dir / first["name"]).read_bytes()
+    (out_dir / first["name"]).unlink()
+    Path(f"{out_dir / first['name']}.part").write_bytes(data[:500])  # interrupted after 500 bytes
+    code, out, _ = run("download", job.id, out_dir, "--json")
+    shards = {s["name"]: s for s in json.loads(out)["shards"]}
+    assert code == 0 and shards[first["name"]]["resumed_from"] == 500 and shards[second["name"]]["skipped"]
+    assert (out_dir / first["name"]).read_bytes() == data
+
+    (out_dir / second["name"]).unlink()
+    Path(f"{out_dir / second['name']}.part").write_bytes(b"garbage")
+    code, out, err = run("download", job.id, out_dir)
+    assert code == 1 and "Checksum mismatch" in err and second["name"] in err
+    assert not (out_dir / second["name"]).exists() and not Path(f"{out_dir / second['name']}.part").exists()
+    code, out, _ = run("download", job.id, out_dir)
+    assert code == 0 and "sha256 ok" in out and "already there" in out and "downloaded" in out
+
+
+def test_errors_go_to_stderr_with_exit_codes(run, finished, tmp_path, monkeypatch):
+    job, _ = finished
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "input_ids": [1, 2]}\n{"id": "y", "input_ids": [1, 2], "loss_mask": [1]}\n{oops\n')
+    code, out, err = run("submit", bad)
+    assert code == 2 and out == ""
+    assert err.startswith("hsx submit: Invalid input (422): ")
+    lines = err.splitlines()
+    assert len(lines) == 3 and lines[1].startswith("  sample 1, ") and "line 2" in lines[1] and "loss_mask" in lines[1]
+    assert lines[2].startswith("  sample 2, line 3: ") and "JSON" in lines[2]
+    code, _, err = run("submit", bad, "--json")
+    problem = json.loads(err)
+    assert code == 2 and problem["status"] == 422 and len(problem["errors"]) == 2
+
+    assert run("submit")[0] == 2
+    code, _, err = run("submit", tmp_path / "missing.jsonl")
+    assert code == 2 and "cannot read" in err
+    with pytest.raises(SystemExit) as exc:
+        run("submit", bad, "--layers", "two")
+    assert exc.value.code == 2
+
+    code, _, err = run("status", "job_missing")
+    assert code == 2 and "Not Found (404)" in err and "job_missing" in err
+    code, _, err = run("cancel", job.id)
+    assert code == 2 and "Conflict (409)" in err
+    code, _, err = run("retry", job.id, "--json")
+    assert code == 2 and json.loads(err)["status"] == 409
+    code, _, err = run("jobs", "--token", "wrong")
+    assert code == 2 and "Unauthorized (401)" in err
+    code, _, err = run("submit", bad, "--token", READ)
+    assert code == 2 and "Forbidden (403)" in err
+    code, _, err = run("jobs", "--url", "http://127.0.0.1:9")
+    assert code == 1 and "cannot reach the service at http://127.0.0.1:9" in err
+
+    # the installed console script, configured by the environment only
+    env = {**os.environ}
+    proc = subprocess.run(hsx_command() + ["status", "job_missing", "--json"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 2 and json.loads(proc.stderr)["status"] == 404 and proc.stdout == ""
+    proc = subprocess.run(hsx_command() + ["jobs", "--json", "--limit", "1"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 0 and len(json.loads(proc.stdout)) == 1
+
+
+def test_failed_retry_cancel_delete(run, stack, tmp_path):
+    jsonl(stack.input_root / "wrong.jsonl", make_samples(2, seed=53))
+    code, out, err = run("submit", "--input-path", "wrong.jsonl", "--layers", "1,2", "--wait", "--interval", "0.2")
+    assert code == 1 and "failed" in err and "hsx samples" in err  # the job failed: exit 1, with a hint
+    job_id = out.split()[0]
+    code, out, _ = run("samples", job_id, "--state", "failed", "--json")
+    assert code == 0 and len(json.loads(out)) == 2 and all("layers" in s["last_error"] for s in json.loads(out))
+    code, out, _ = run("samples", job_id, "--state", "failed")
+    assert "LAST ERROR" in out.splitlines()[0] and "layers" in out
+    code, out, _ = run("retry", job_id, "--json")
+    assert code == 0 and json.loads(out)["id"] == job_id
+    code, out, _ = run("status", job_id, "--watch", "--interval", "0.2")
+    assert code == 1 and "] failed" in out
+
+    big = jsonl(tmp_path / "big.jsonl", make_samples(30, seed=54, lo=60, hi=120))
+    code, out, _ = run("submit", big, "--json")
+    busy = json.loads(out)["id"]
+    code, _, err = run("delete", busy)
+    assert code == 2 and "Conflict" in err
+    code, out, err = run("download", busy, tmp_path / "early", "--json")
+    assert code == 0 and json.loads(out)["manifest"] is None and "run this again once it has finished" in err
+    assert not (tmp_path / "early" / "manifest.json").exists()
+    code, out, _ = run("cancel", busy, "--json")
+    assert code == 0 and json.loads(out)["state"] in ("cancelling", "cancelled")
+    code, out, _ = run("status", busy, "--watch", "--json")
+    assert code == 1 and json.loads(out.splitlines()[-1])["state"] == "cancelled"
+    code, out, _ = run("delete", busy, "--files", "--json")
+    assert code == 0 and json.loads(out) == {"deleted": busy, "files": True}
+    assert not (stack.output_root / busy).exists()
+    assert run("status", busy)[0] == 2
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_redraws_on_a_terminal_and_prints_lines_elsewhere(finished):
+    job, _ = finished
+    tty = Terminal()
+    progress = Progress(stream=tty)
+    progress(job)
+    progress(job)
+    progress.close()
+    text = tty.getvalue()
+    assert text.count("\r\033[K") == 2 and text.endswith("\n") and text.count("\n") == 1
+    assert "6/6 samples" in text and "tok/s" in text and "ETA 0s" in text
+
+    plain = io.StringIO()
+    progress = Progress(stream=plain)
+    progress(job)
+    progress(job)  # unchanged: not repeated
+    progress.close()
+    assert plain.getvalue().count("\n") == 1 and "\r" not in plain.getvalue()

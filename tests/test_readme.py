@@ -1,0 +1,99 @@
+"""README.md's examples work: the curl session and the Python SDK snippet run against a live service, and every
+`hsx` line of the command-line examples parses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.cli import build_parser
+from app.sdk import HsxClient
+from tests.test_sdk import start_stack, stop_stack
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+MARKED = re.compile(r"<!-- tested: ([\w-]+)[^>]*-->\s*\n```(\w+)\n(.*?)\n```", re.S)
+
+
+def section(heading: str) -> str:
+    """The README's text under `heading`, up to the next heading of the same or a higher level (lines inside
+    code blocks are not headings)."""
+    level = len(heading.split(" ")[0])
+    out, inside, fenced = [], False, False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#+ ", line):
+            if inside and len(line.split(" ")[0]) <= level:
+                break
+            inside = inside or line == heading
+            if line == heading:
+                continue
+        if inside:
+            out.append(line)
+    assert out, f"README has no section {heading!r}"
+    return "\n".join(out)
+
+
+def marked_block(heading: str, name: str, lang: str) -> str:
+    found = [m for m in MARKED.finditer(section(heading)) if m.group(1) == name]
+    assert len(found) == 1, f"README: one block marked <!-- tested: {name} --> under {heading!r}"
+    assert found[0].group(2) == lang
+    return found[0].group(3) + "\n"
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, checkpoint):
+    svc, ref = start_stack(tmp_path_factory.mktemp("readme"), checkpoint)
+    yield svc
+    stop_stack(svc, ref)
+
+
+def test_curl_session(service, tmp_path):
+    script = tmp_path / "session.sh"
+    script.write_text(marked_block("## API", "curl-session", "bash"))
+    env = {**os.environ, "HSX": service.url, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-euo", "pipefail", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, state = re.search(r"^job (job_\w+) (\w+)$", proc.stdout, re.M).groups()
+    assert state == "succeeded"
+    with HsxClient(service.url) as hsx:
+        job = hsx.get_job(job_id)
+        manifest = hsx.manifest(job)
+    assert job.state == "succeeded" and job.name == "demo" and job.counts.succeeded == 2
+    for shard in manifest.shards:
+        assert f"{shard.name}: OK" in proc.stdout and (tmp_path / shard.name).stat().st_size == shard.bytes
+    assert json.loads((tmp_path / "manifest.json").read_text())["job_id"] == job_id
+
+
+def test_python_sdk_snippet(service, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(marked_block("### Python SDK", "python-sdk", "python"))
+    env = {**os.environ, "HSX_URL": service.url}
+    env.pop("HSX_TOKEN", None)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, state = re.search(r"^job (job_\w+) (\w+)$", proc.stdout, re.M).groups()
+    assert state == "succeeded" and "Invalid input" in proc.stdout
+    manifest = json.loads((tmp_path / "out" / job_id / "manifest.json").read_text())
+    assert manifest["state"] == "succeeded" and manifest["num_stored"] == 2
+    assert all((tmp_path / "out" / job_id / s["name"]).is_file() for s in manifest["shards"])
+
+
+def test_command_line_examples_parse():
+    text = section("### Command line")
+    lines = [ln for ln in re.findall(r"```bash\n(.*?)\n```", text, re.S)[0].splitlines() if ln.startswith("hsx ")]
+    assert len(lines) >= 8
+    parser = build_parser()
+    for line in lines:
+        argv = shlex.split(line.split("#")[0].split("|")[0])[1:]
+        args = parser.parse_args(argv)
+        assert args.command == argv[0]
