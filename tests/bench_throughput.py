@@ -1,0 +1,198 @@
+"""Throughput benchmark: the service against the first pipeline's bare loop, side by side.
+
+    python -m tests.bench_throughput                       # defaults below, about 3 minutes
+    python -m tests.bench_throughput --samples 60 --tokens 2000 --hidden 4096 --layers 4
+
+Runs, in one process tree on this machine, with a synthetic reference server (no model compute,
+tensors of a realistic shape written to /dev/shm):
+  disk      the output disk's sequential write rate (8 MiB writes, then fsync)
+  bare      the first pipeline's shape: one sample at a time, clear -> POST -> scan -> load -> save,
+            no database, no API
+  serial    the service in clear-and-scan mode (SQLite)
+  rid       the service in rid mode with requests in flight, against a server that batches
+each with an instant server and with a simulated prefill time comparable to the time to persist
+a sample. Prints samples/s, tokens/s, GB/s persisted, CPU seconds per sample and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from safetensors.torch import load_file, save_file
+
+from tests.support.procs import Process, free_port, hsx_command
+
+MiB = 1024 * 1024
+
+
+def disk_write_rate(folder: Path, total_mib: int = 1024) -> float:
+    """Bytes per second of sequential 8 MiB writes followed by fsync."""
+    path = folder / "disk-rate.tmp"
+    block = os.urandom(8 * MiB)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(total_mib // 8):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return total_mib * MiB / elapsed
+
+
+def proc_cpu_and_rss(pid: int) -> tuple[float, int]:
+    """CPU seconds (user + system) and peak RSS bytes of a running process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                rss = int(line.split()[1]) * 1024
+    return cpu, rss
+
+
+class Bench:
+    def __init__(self, args, work: Path, shm: Path):
+        self.args = args
+        self.work = work
+        self.shm = shm
+        rng = random.Random(0)
+        self.samples = [{"id": f"b{i}", "input_ids": [rng.randrange(32000) for _ in range(args.tokens)]}
+                        for i in range(args.samples)]
+        self.bytes_per_sample = args.tokens * args.layers * args.hidden * 2
+
+    def server(self, name: str, prefill_us: float, rid: bool) -> tuple[Process, str, Path]:
+        port = free_port()
+        root = self.shm / f"{name}-dumps"
+        layers = ",".join(str(i) for i in [2, 16, 29, 32][: self.args.layers])
+        args = hsx_command() + ["reference-server", "--synthetic", "--hidden-size", str(self.args.hidden),
+                                "--num-layers", "32", "--layers", layers, "--dump-root", str(root), "--port", str(port),
+                                "--prefill-us-per-token", str(prefill_us), "--skip-server-warmup"]
+        if rid:
+            args += ["--name-by", "rid", "--max-batch", str(self.args.in_flight)]
+        proc = Process(args, self.work / f"{name}-reference.log")
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_http(url + "/health")
+        return proc, url, root
+
+    def bare(self, prefill_us: float) -> dict:
+        ref, url, root = self.server("bare", prefill_us, rid=False)
+        out = self.work / "bare-out"
+        out.mkdir()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.perf_counter()
+        with httpx.Client(timeout=600) as c:
+            for i, s in enumerate(self.samples):
+                for d in root.glob("req_*"):
+                    shutil.rmtree(d)
+                c.post(url + "/generate", json={"input_ids": s["input_ids"], "sampling_params": {"max_new_tokens": 0}})
+                done = []
+                while not done:
+                    done = [d for d in root.glob("req_*") if (d / "done").exists()]
+                tensors = load_file(done[0] / "hidden_states.safetensors")
+                save_file(tensors, out / f"sample_{i}.safetensors")
+        wall = time.perf_counter() - start
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        ref.stop()
+        shutil.rmtree(out)
+        cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        return self._figures("bare loop", wall, cpu, r1.ru_maxrss * 1024)
+
+    def service(self, name: str, prefill_us: float, rid: bool) -> dict:
+        ref, url, root = self.server(name, prefill_us, rid=rid)
+        port = free_port()
+        out = self.work / f"{name}-out"
+        args = hsx_command() + ["serve", "--backend-url", url, "--dump-root", str(root), "--output-root", str(out),
+                                "--input-root", str(self.work), "--database-url", f"sqlite:///{self.work / name}.db",
+                                "--port", str(port), "--max-in-flight", str(self.args.in_flight),
+                                "--log-level", "warning"]
+        svc = Process(args, self.work / f"{name}-service.log")
+        svc_url = f"http://127.0.0.1:{port}"
+        svc.wait_http(svc_url + "/healthz")
+        cpu0, _ = proc_cpu_and_rss(svc.proc.pid)
+        body = "".join(json.dumps(s) + "\n" for s in self.samples).encode()
+        with httpx.Client(timeout=600) as c:
+            start = time.perf_counter()
+            job = c.post(svc_url + "/v1/jobs", content=body, headers={"content-type": "application/x-ndjson"}).json()
+            while True:
+                state = c.get(f"{svc_url}/v1/jobs/{job['id']}").json()
+                if state["state"] in ("succeeded", "failed", "cancelled"):
+                    break
+                time.sleep(0.02)
+            wall = time.perf_counter() - start
+        cpu1, rss = proc_cpu_and_rss(svc.proc.pid)
+        svc.stop()
+        ref.stop()
+        assert state["state"] == "succeeded", state
+        shutil.rmtree(out)
+        label = f"service, {'rid mode, ' + str(self.args.in_flight) + ' in flight' if rid else 'clear-and-scan'}"
+        return self._figures(label, wall, cpu1 - cpu0, rss)
+
+    def _figures(self, label: str, wall: float, cpu: float, rss: int) -> dict:
+        n = len(self.samples)
+        return {"run": label, "samples_s": n / wall, "tokens_s": n * self.args.tokens / wall,
+                "gb_s": n * self.bytes_per_sample / wall / 1e9, "cpu_s_per_sample": cpu / n, "peak_rss_mib": rss / MiB,
+                "wall_s": wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=40)
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--output-dir", default=".", help="a folder on the disk to measure (default: here)")
+    parser.add_argument("--prefill-us-per-token", type=float, default=None,
+                        help="simulated prefill time for the 'comparable' runs (default: the time to persist "
+                             "a sample at the measured disk rate)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="hsx-bench-", dir=args.output_dir) as tmp, \
+            tempfile.TemporaryDirectory(prefix="hsx-bench-", dir="/dev/shm") as shm:
+        work = Path(tmp)
+        bench = Bench(args, work, Path(shm))
+        disk = disk_write_rate(work)
+        persist_s = bench.bytes_per_sample / disk
+        prefill_us = args.prefill_us_per_token
+        if prefill_us is None:
+            prefill_us = persist_s / args.tokens * 1e6
+        print(f"machine: {os.cpu_count()} cores; sample: {args.tokens} tokens x {args.layers} layers x hidden "
+              f"{args.hidden} bf16 = {bench.bytes_per_sample / MiB:.1f} MiB; {args.samples} samples per run")
+        print(f"disk: sequential write {disk / 1e9:.2f} GB/s (8 MiB writes + fsync) -> {persist_s * 1000:.0f} ms "
+              f"to persist a sample; 'comparable' prefill = {prefill_us:.1f} us/token "
+              f"({prefill_us * args.tokens / 1000:.0f} ms per sample)")
+        rows = []
+        for scenario, us in (("instant server", 0.0), ("prefill ~ persist", prefill_us)):
+            bare = bench.bare(us)
+            serial = bench.service("serial", us, rid=False)
+            rid = bench.service("rid", us, rid=True)
+            for r in (bare, serial, rid):
+                r["scenario"] = scenario
+                r["vs_bare"] = r["samples_s"] / bare["samples_s"]
+                r["vs_serial"] = r["samples_s"] / serial["samples_s"]
+                r["vs_disk"] = r["gb_s"] * 1e9 / disk
+                rows.append(r)
+        print(f"{'scenario':<18}{'run':<36}{'samples/s':>10}{'tokens/s':>11}{'GB/s':>7}{'CPU s/smp':>10}"
+              f"{'RSS MiB':>9}{'x bare':>8}{'x serial':>9}{'of disk':>8}")
+        for r in rows:
+            print(f"{r['scenario']:<18}{r['run']:<36}{r['samples_s']:>10.2f}{r['tokens_s']:>11.0f}{r['gb_s']:>7.2f}"
+                  f"{r['cpu_s_per_sample']:>10.3f}{r['peak_rss_mib']:>9.0f}{r['vs_bare']:>8.2f}{r['vs_serial']:>9.2f}"
+                  f"{r['vs_disk']:>8.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Faults a real server produces, switched on in the reference server: foreign dumps, late or missing
+`done`, every kind of bad dump, and server settings that would make dumps partial."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+import torch
+
+from app.reference.synthetic import synthetic_hidden_states
+from app.storage.manifest import load_manifest, read_sample
+from tests.support.procs import Process, free_port, hsx_command
+from tests.support.stack import start_service
+
+HIDDEN, NUM_LAYERS, VOCAB = 64, 8, 1000
+LAYERS = [2, 4, 5, 8]
+
+
+def start_synthetic(tmp, *extra: str):
+    port = free_port()
+    args = hsx_command() + ["reference-server", "--synthetic", "--hidden-size", str(HIDDEN), "--num-layers",
+                            str(NUM_LAYERS), "--vocab-size", str(VOCAB), "--dump-root", str(tmp / "dumps"),
+                            "--port", str(port), "--enable-fault-injection", *extra]
+    proc = Process(args, tmp / f"reference-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_http(url + "/health")
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("inject")
+    proc, url = start_synthetic(tmp)
+    svc = start_service(tmp, f"sqlite:///{tmp / 'hsx.db'}", backend_url=url, dump_root=tmp / "dumps",
+                        extra=["--dump-wait-s", "3", "--max-attempts", "3"])
+    yield svc, url
+    svc.stop()
+    proc.stop()
+
+
+def faults(url: str, patch: dict | None) -> dict:
+    """Apply a settings patch; None resets everything. Returns the state before a reset."""
+    if patch is None:
+        before = httpx.get(url + "/admin/faults").json()
+        httpx.delete(url + "/admin/faults")
+        return before
+    return httpx.post(url + "/admin/faults", json=patch).json()
+
+
+def samples(n: int, seed: int, lengths: list[int] | None = None) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"id": f"f{seed}-{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(lengths[i] if lengths else
+                                                                                        rng.randint(3, 60))]}
+            for i in range(n)]
+
+
+def run_job(svc, items: list[dict]) -> dict:
+    return svc.wait_job(svc.post_job({"samples": items}).json()["id"], timeout=240)
+
+
+def assert_exact(svc, job: dict, items: list[dict]) -> None:
+    manifest = load_manifest(svc.output_root / job["id"])
+    assert [s["id"] for s in manifest["samples"]] == [s["id"] for s in items]
+    for s in items:
+        got = read_sample(svc.output_root / job["id"], manifest, s["id"])
+        truth = synthetic_hidden_states(s["input_ids"], LAYERS, HIDDEN, torch.bfloat16)
+        assert got["input_ids"].tolist() == s["input_ids"]
+        for i in LAYERS:
+            assert torch.equal(got[f"layer_{i}"], truth[i]), (s["id"], i)
+
+
+def attempts(svc, job_id: str, sample_id: str) -> list[dict]:
+    return svc.get(f"/v1/jobs/{job_id}/samples/{sample_id}").json()["attempt_log"]
+
+
+def test_foreign_dumps_of_the_same_length_around_every_request(stack):
+    svc, url = stack
+    faults(url, None)
+    # Every sample the same length, so only ids tell a foreign dump from ours.
+    items = samples(8, seed=1, lengths=[17] * 8)
+    faults(url, {"foreign_dumps": {"count": 8, "before": 2, "after": 2}})
+    job = run_job(svc, items)
+    state = faults(url, None)
+    assert state["injected"].get("foreign_dump", 0) >= 16
+    assert job["state"] == "succeeded"
+    assert_exact(svc, job, items)
+    assert all(len(attempts(svc, job["id"], s["id"])) == 1 for s in items), "foreign dumps cost no attempt"
+
+
+def test_late_done_and_a_dump_that_never_completes(stack):
+    svc, url = stack
+    faults(url, None)
+    faults(url, {"late_done": {"count": 3, "seconds": 0.7}})
+    items = samples(3, seed=2)
+    job = run_job(svc, items)
+    assert job["state"] == "succeeded"
+    assert_exact(svc, job, items)
+    assert all(len(attempts(svc, job["id"], s["id"])) == 1 for s in items), "a late marker is waited for"
+
+    faults(url, {"late_done": {"count": 1, "never": True}})
+    items = samples(2, seed=3)
+    job = run_job(svc, items)
+    assert job["state"] == "succeeded"
+    assert_exact(svc, job, items)
+    log = attempts(svc, job["id"], items[0]["id"])
+    assert [a["outcome"] for a in log] == ["retry", "ok"] and log[0]["reason"].startswith("no_dump")
+
+
+EXPECTED = {
+    "missing_layer": "missing_layer", "truncated": "bad_tensor_file", "unreadable": "bad_tensor_file",
+    "wrong_shape": "wrong_shape", "wrong_dtype": "wrong_dtype", "nan": "non_finite", "inf": "non_finite",
+    "cached_tokens": "cached_tokens", "wrong_num_tokens": "no_dump", "wrong_ids": "no_dump",
+    "missing_meta_field": "no_dump", "bad_meta_json": "no_dump",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_each_bad_dump_is_retried_with_its_reason(stack, kind):
+    svc, url = stack
+    faults(url, None)
+    faults(url, {"bad_dumps": {"count": 1, "kind": kind}})
+    items = samples(1, seed=hash(kind) % 1000)
+    job = run_job(svc, items)
+    injected = {k: v for k, v in faults(url, None)["injected"].items() if v}
+    assert injected == {f"bad_dump.{kind}": 1}
+    assert job["state"] == "succeeded"
+    assert_exact(svc, job, items)
+    log = attempts(svc, job["id"], items[0]["id"])
+    assert [a["outcome"] for a in log] == ["retry", "ok"], log
+    assert log[0]["reason"].split(":")[0] == EXPECTED[kind], log[0]["reason"]
+
+
+def test_bad_dumps_past_the_budget_fail_the_sample_and_store_nothing(stack):
+    svc, url = stack
+    faults(url, None)
+    faults(url, {"bad_dumps": {"probability": 1.0, "kind": "nan"}})
+    items = samples(2, seed=4)
+    job = run_job(svc, items)
+    faults(url, None)
+    assert job["state"] == "failed" and job["counts"]["failed"] == 2 and job["counts"]["succeeded"] == 0
+    manifest = load_manifest(svc.output_root / job["id"])
+    assert manifest["samples"] == [] and manifest["shards"] == []
+    for s in items:
+        sample = svc.get(f"/v1/jobs/{job['id']}/samples/{s['id']}").json()
+        assert sample["state"] == "failed" and sample["attempts"] == 3
+        assert sample["last_error"].startswith("non_finite")
+
+
+def test_unavailable_server_costs_no_attempt(stack):
+    svc, url = stack
+    faults(url, None)
+    faults(url, {"unavailable": {"seconds": 3}})
+    items = samples(3, seed=5)
+    job = run_job(svc, items)
+    assert job["state"] == "succeeded"
+    assert_exact(svc, job, items)
+    assert all(svc.get(f"/v1/jobs/{job['id']}/samples/{s['id']}").json()["attempts"] == 1 for s in items)
+
+
+@pytest.mark.parametrize("flags,needle", [(["--enable-radix-cache"], "radix"),
+                                          (["--chunked-prefill-size", "16"], "chunk")])
+def test_server_settings_that_break_dumps_are_refused(tmp_path, flags, needle):
+    proc, url = start_synthetic(tmp_path, *flags)
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=tmp_path / "dumps")
+    try:
+        job_id = svc.post_job({"samples": samples(2, seed=6, lengths=[40, 40])}).json()["id"]
+        deadline = time.monotonic() + 60
+        job = svc.get(f"/v1/jobs/{job_id}").json()
+        while not job["waiting_reason"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            job = svc.get(f"/v1/jobs/{job_id}").json()
+        assert needle in job["waiting_reason"], job
+        time.sleep(1)
+        job = svc.get(f"/v1/jobs/{job_id}").json()
+        assert job["counts"]["queued"] == 2 and job["tokens"]["done"] == 0, "nothing partial is stored"
+        health = svc.get("/healthz").json()
+        assert health["status"] == "degraded" and health["writer"]["state"] == "refusing"
+    finally:
+        svc.stop()
+        proc.stop()
