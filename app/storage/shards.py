@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -63,18 +64,18 @@ class _HashingWriter:
         self.count += len(data)
 
 
-def _copy_span(span: TensorSpan, out: _HashingWriter, handles: dict[Path, BinaryIO]) -> None:
-    f = handles.get(span.path)
-    if f is None:
-        f = handles[span.path] = open(span.path, "rb")
-    f.seek(span.start)
-    left = span.nbytes
-    while left:
-        chunk = f.read(min(COPY_CHUNK, left))
-        if not chunk:
-            raise OSError(f"{span.path}: ended before its tensor did")
-        out.write(chunk)
-        left -= len(chunk)
+def _copy_span(span: TensorSpan, out: _HashingWriter, maps: dict[Path, mmap.mmap]) -> None:
+    # Through a mapping of the source, the bytes are hashed and written without a copy of our own.
+    mm = maps.get(span.path)
+    if mm is None:
+        with open(span.path, "rb") as f:
+            mm = maps[span.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if span.end > len(mm):
+        raise OSError(f"{span.path}: ended before its tensor did")
+    with memoryview(mm) as view:
+        for start in range(span.start, span.end, COPY_CHUNK):
+            with view[start:min(start + COPY_CHUNK, span.end)] as chunk:
+                out.write(chunk)
 
 
 def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int) -> ShardInfo:
@@ -102,7 +103,7 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
         "sample_ids": json.dumps([s.sample_id for s in samples]),
         "offsets": json.dumps(offsets),
     }
-    handles: dict[Path, BinaryIO] = {}
+    maps: dict[Path, mmap.mmap] = {}
     try:
         with atomic_writer(path) as f:
             out = _HashingWriter(f)
@@ -113,11 +114,11 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
                 for s in samples:
                     src = s.layers[layer]
                     if isinstance(src, TensorSpan):
-                        _copy_span(src, out, handles)
+                        _copy_span(src, out, maps)
                     else:
                         out.write(src)
             size, digest = out.count, out.sha.hexdigest()
     finally:
-        for h in handles.values():
-            h.close()
+        for m in maps.values():
+            m.close()
     return ShardInfo(path.name, size, digest, len(samples), total, offsets)
