@@ -14,6 +14,7 @@ import httpx
 
 from app.sdk.errors import ChecksumMismatch, HsxError
 from app.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage
+from app.storage.atomic import atomic_writer, fsync_dir
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 USER_AGENT = "hsx-sdk/0.1"
@@ -316,27 +317,9 @@ class ShardDownload:
         return self.dest
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with atomic_writer(path) as f:
+        f.write(data)
     return path
 
 
