@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, ClassVar
@@ -83,7 +84,7 @@ def require_layers(job: Job, target: str, wanted: list[int], what: str) -> None:
                             f"without {missing}")
 
 
-class Exporter:
+class Exporter(ABC):
     """One target's file layout. Subclasses fill in plan, encode and the settings a rerun must match."""
 
     target: ClassVar[str] = ""
@@ -91,26 +92,28 @@ class Exporter:
     def __init__(self, job: Job):
         self.job = job
 
+    @abstractmethod
     def plan(self) -> list[PlannedFile]:
-        raise NotImplementedError
+        """Every file the export writes, in order, with the sample it holds."""
 
+    @abstractmethod
     def keys(self) -> list[str]:
         """The shard tensors one file needs."""
-        raise NotImplementedError
 
+    @abstractmethod
     def settings(self) -> dict:
         """Everything that shapes the files; a rerun into the same folder must match it."""
-        raise NotImplementedError
 
     def notes(self) -> list[str]:
         """What a user needs to know to point the target's trainer at the result."""
         return []
 
-    def preflight(self, reader: ShardReader) -> None:
+    def preflight(self, reader: ShardReader) -> None:  # noqa: B027 - optional hook, a no-op by default
         """A check on real data before anything is written (optional)."""
 
+    @abstractmethod
     def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: dict, planned: PlannedFile) -> None:
-        raise NotImplementedError
+        """Write one file's content for one sample's rows."""
 
     def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:
         """Write files that describe the whole export (after every per-sample file); return their names."""
