@@ -194,16 +194,15 @@ def final_state(job: Job) -> str | None:
 
 
 def finish_job_if_done(session: Session, job_id: str) -> bool:
-    """Move a job to its terminal state once no sample is queued, running or staged."""
+    """Move a job to its terminal state (final_state's rule) once no sample is queued, running or staged."""
+    job = _lock_job(session, job_id)
+    state = None if job is None else final_state(job)
+    if state is None:
+        return False
     result = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.state.in_(("queued", "running", "cancelling")),
-               Job.n_queued == 0, Job.n_running == 0, Job.n_staged == 0)
-        .values(
-            state=case((Job.state == "cancelling", "cancelled"), (Job.n_failed > 0, "failed"),
-                       else_="succeeded"),
-            finished_at=utcnow(),
-        )
+        .where(Job.id == job_id, Job.state == job.state, Job.n_queued == 0, Job.n_running == 0, Job.n_staged == 0)
+        .values(state=state, finished_at=utcnow())
     )
     return result.rowcount == 1
 
