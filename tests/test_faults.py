@@ -7,10 +7,12 @@ import os
 import random
 import shutil
 import subprocess
+import threading
 import time
 
 import pytest
 
+from app.sdk import HsxClient, Unavailable
 from tests.support.procs import free_port
 from tests.support.stack import start_reference, start_service
 from tests.test_extraction_e2e import assert_stored_exactly, make_samples
@@ -166,7 +168,25 @@ def test_postgres_restarted_mid_job(tmp_path, checkpoint, recompute, postgres_ur
         job_id = svc.post_job({"samples": samples}).json()["id"]
         wait_for(lambda: started(svc, job_id, 3), what="first samples")
         version = os.listdir("/etc/postgresql")[0]
-        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart"], check=True)
+        ctl = ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main"]
+        subprocess.run([*ctl, "stop"], check=True)
+        restart = threading.Timer(3.0, subprocess.run, args=([*ctl, "start"],), kwargs={"check": True})
+        try:
+            down = svc.client.get(f"{svc.url}/v1/jobs/{job_id}")
+            assert down.status_code == 503 and down.headers["retry-after"], down.text
+            assert down.headers["content-type"].startswith("application/problem+json")
+            assert "database unavailable" in down.json()["detail"]
+            with pytest.raises(Unavailable):
+                HsxClient(svc.url).get_job(job_id)
+            restart.start()
+            # The SDK's wait() polls through the outage and returns the finished job.
+            assert HsxClient(svc.url).wait(job_id, timeout=240, poll_s=0.2).state == "succeeded"
+        finally:
+            restart.cancel()
+            if restart.ident is not None:
+                restart.join()
+            if subprocess.run(["pg_isready", "-h", "127.0.0.1", "-q"]).returncode != 0:
+                subprocess.run([*ctl, "start"], check=True)
         job = svc.wait_job(job_id, timeout=240)
         assert_stored_exactly(svc, job, samples, recompute)
         assert "database unavailable" in svc.proc.log() or job["state"] == "succeeded"

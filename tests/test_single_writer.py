@@ -141,3 +141,51 @@ def test_recovery_requeues_running_and_lost_staged(sessions, tmp_path):
     with sessions() as s:
         j = repo.get_job(s, job.id)
     assert (j.n_queued, j.n_running, j.n_staged) == (2, 0, 1)
+
+
+@pytest.mark.postgres
+def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
+    """Claims (several writers) racing cancel and fail_job: every path takes the job row before
+    sample rows, so Postgres never aborts one of them as a deadlock, and every job ends."""
+    engine = make_engine(postgres_url)
+    upgrade(engine)
+    sessions = session_factory(engine)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer(name: str) -> None:
+        while not stop.is_set():
+            try:
+                with sessions.begin() as s:
+                    c = repo.claim_next(s, name)
+                    if c is not None:
+                        repo.record_failed_attempt(s, c, reason="again", max_attempts=1000)
+            except BaseException as exc:  # noqa: BLE001 - any abort is the failure under test
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=writer, args=(f"host:/dump/{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    jobs = []
+    try:
+        for round_ in range(40):
+            with sessions.begin() as s:
+                job_id = repo.create_job(s, name=None, layers=None, samples=new_samples(30)).id
+            jobs.append(job_id)
+            threading.Event().wait(0.002 * (round_ % 5))
+            with sessions.begin() as s:
+                if round_ % 2:
+                    repo.cancel_job(s, job_id)
+                else:
+                    repo.fail_job(s, job_id, "refused")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    with sessions() as s:
+        for job_id in jobs:
+            job = repo.get_job(s, job_id)
+            assert job.n_queued == job.n_running == 0, (job.state, job.n_queued, job.n_running)
+    engine.dispose()

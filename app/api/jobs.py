@@ -46,10 +46,11 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 def _problems(*codes: int) -> dict:
     text = {401: "Missing or unknown token", 403: "Not allowed", 404: "Not found", 409: "Not allowed in this state",
             413: "Body too large", 415: "Unsupported media type", 416: "Range not satisfiable",
-            422: "Invalid input", 507: "Not enough room on the output volume"}
+            422: "Invalid input", 503: "Database unavailable; retry after Retry-After seconds",
+            507: "Not enough room on the output volume"}
     schema = {"$ref": "#/components/schemas/Problem"}
     return {c: {"description": text[c], "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}}}
-            for c in (401, 403, *codes)}
+            for c in (401, 403, 503, *codes)}
 
 
 CREATE_BODY = {

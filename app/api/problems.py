@@ -7,6 +7,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -93,6 +94,14 @@ def install(app: FastAPI) -> None:
         slug = phrase.lower().replace(" ", "-")
         return problem_response(exc.status_code, phrase, str(exc.detail), f"/problems/{slug}",
                                 getattr(exc, "headers", None))
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    async def _database(_: Request, exc: Exception):
+        # A database that is restarting or unreachable is a temporary condition the client can
+        # retry, not a server bug; nothing was stored (the transaction rolled back).
+        return problem_response(503, "Service Unavailable", f"database unavailable: {type(exc.orig).__name__}",
+                                "/problems/database-unavailable", {"Retry-After": "2"})
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -246,15 +246,22 @@ def _transition(session: Session, job_id: str, pks: list[int], src: str, dst: st
 def claim_next(session: Session, writer: str) -> Claimed | None:
     """Take the oldest queued sample for `writer`, unless that writer already runs one.
 
-    One conditional UPDATE does it, correct on SQLite (writers are serialised) and on
-    Postgres (SKIP LOCKED lets several writers claim different rows at once); the partial
-    unique index on running samples per writer is the backstop.
+    Lock order is the same on every path that moves samples of a job: the job row first, then
+    sample rows. So the claim locks the oldest job with queued samples before its sample; on
+    Postgres a claim racing a cancel (job, then its queued samples) would otherwise deadlock.
+    Claims on one job serialise on that row anyway (each updates its counters); SKIP LOCKED on
+    the sample and the partial unique index on running samples per writer are the backstops.
+    SQLite serialises writers by itself and ignores the row locks.
     """
-    pick = (select(Sample.pk).join(Job, Job.id == Sample.job_id)
-            .where(Sample.state == "queued", Job.state.in_(("queued", "running")))
-            .order_by(Sample.job_id, Sample.idx).limit(1))
+    job_id = session.execute(
+        select(Job.id).where(Job.state.in_(("queued", "running")), Job.n_queued > 0)
+        .order_by(Job.id).limit(1).with_for_update()
+    ).scalar()
+    if job_id is None:
+        return None
+    pick = select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "queued").order_by(Sample.idx).limit(1)
     if session.get_bind().dialect.name == "postgresql":
-        pick = pick.with_for_update(skip_locked=True, of=Sample)
+        pick = pick.with_for_update(skip_locked=True)
     other = aliased(Sample)
     busy = exists().where(other.state == "running", other.writer == writer)
     row = session.execute(
@@ -355,7 +362,7 @@ def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, i
         if path and staged_exists(path):
             kept += 1
         else:
-            requeued += _transition(session, job_id, [pk], "staged", "queued",
+            requeued += _transition(session, job_id, [pk], "staged", _requeue_state(session, job_id),
                                     {"writer": None, "staged_path": None, "attempts": Sample.attempts - 1,
                                      "last_error": "staged dump was lost before its shard was written"})
     return requeued, kept
@@ -369,7 +376,8 @@ def staged_samples(session: Session, writer: str, job_id: str | None = None) -> 
 
 
 def requeue_staged(session: Session, job_id: str, pks: list[int], reason: str) -> None:
-    _transition(session, job_id, pks, "staged", "queued", {"writer": None, "staged_path": None, "last_error": reason})
+    _transition(session, job_id, pks, "staged", _requeue_state(session, job_id),
+                {"writer": None, "staged_path": None, "last_error": reason})
 
 
 def reserve_shard_number(session: Session, job_id: str) -> int:

@@ -19,6 +19,7 @@ from app.sdk.errors import (
     PayloadTooLarge,
     ServerError,
     Unauthorized,
+    Unavailable,
 )
 from app.sdk.models import (
     TERMINAL_STATES,
@@ -39,4 +40,5 @@ __all__ = [
     "AsyncHsxClient", "Attempt", "ChecksumMismatch", "Conflict", "Counts", "Forbidden", "Health", "HsxClient",
     "HsxError", "InvalidInput", "Job", "JobPage", "Manifest", "ManifestSample", "ManifestShard", "NotFound",
     "PayloadTooLarge", "Sample", "SamplePage", "ServerError", "TERMINAL_STATES", "Tokens", "Unauthorized",
+    "Unavailable",
 ]

@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 import httpx
 
-from app.sdk.errors import ChecksumMismatch, HsxError
+from app.sdk.errors import ChecksumMismatch, HsxError, Unavailable
 from app.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage
 from app.storage.atomic import atomic_writer, fsync_dir
 
@@ -148,6 +148,15 @@ class Calls:
 def file_chunks(f: IO[bytes], size: int = 1 << 16) -> Iterator[bytes]:
     while chunk := f.read(size):
         yield chunk
+
+
+# What `wait()` polls through: the service or its database restarting is not the job failing.
+TRANSIENT = (Unavailable, httpx.TransportError)
+
+
+def still_waiting(job: JobRef, last: Job | None, timeout: float) -> TimeoutError:
+    what = f"still {last.state}" if last is not None else "not reachable"
+    return TimeoutError(f"job {job_id(job)} is {what} after {timeout}s")
 
 
 def delays(first: float, most: float, factor: float = 1.5) -> Iterator[float]:

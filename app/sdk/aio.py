@@ -12,6 +12,7 @@ import httpx
 
 from app.sdk._core import (
     CHUNK,
+    TRANSIENT,
     Call,
     Calls,
     JobRef,
@@ -24,6 +25,7 @@ from app.sdk._core import (
     job_events,
     jobs_path,
     resolve_dest,
+    still_waiting,
     tensors_from_bytes,
     write_atomic,
 )
@@ -109,16 +111,21 @@ class AsyncHsxClient:
     async def wait(self, job: JobRef, *, timeout: float | None = None, poll_s: float = 0.5,
                    max_poll_s: float = 5.0, on_progress: Callable[[Job], None] | None = None) -> Job:
         deadline = None if timeout is None else time.monotonic() + timeout
+        current = None
         for delay in delays(poll_s, max_poll_s):
-            current = await self.get_job(job)
-            if on_progress is not None:
-                on_progress(current)
-            if current.state in TERMINAL_STATES:
-                return current
+            try:
+                current = await self.get_job(job)
+            except TRANSIENT:
+                pass
+            else:
+                if on_progress is not None:
+                    on_progress(current)
+                if current.state in TERMINAL_STATES:
+                    return current
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"job {current.id} is still {current.state} after {timeout}s")
+                    raise still_waiting(job, current, timeout)
                 delay = min(delay, left)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")

@@ -11,6 +11,7 @@ import httpx
 
 from app.sdk._core import (
     CHUNK,
+    TRANSIENT,
     Call,
     Calls,
     JobRef,
@@ -24,6 +25,7 @@ from app.sdk._core import (
     job_events,
     jobs_path,
     resolve_dest,
+    still_waiting,
     tensors_from_bytes,
     write_atomic,
 )
@@ -39,7 +41,7 @@ class HsxClient:
     `base_url` defaults to $HSX_URL, then http://127.0.0.1:8000; `token` (a bearer token) to $HSX_TOKEN.
     Any other keyword goes to `httpx.Client` (e.g. `transport=`, `event_hooks=`, `verify=`). Every method that
     takes a job accepts its id or the Job itself. Error answers raise the HsxError subclass for their status
-    (Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, InvalidInput, ServerError).
+    (Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, InvalidInput, Unavailable, ServerError).
     """
 
     def __init__(self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0,
@@ -114,18 +116,24 @@ class HsxClient:
     def wait(self, job: JobRef, *, timeout: float | None = None, poll_s: float = 0.5, max_poll_s: float = 5.0,
              on_progress: Callable[[Job], None] | None = None) -> Job:
         """Poll until the job is succeeded, failed or cancelled, backing off from `poll_s` to `max_poll_s`;
-        call `on_progress(job)` after each poll. Returns the final job; TimeoutError after `timeout` s."""
+        call `on_progress(job)` after each poll. Polls through the service or its database restarting (503,
+        connection errors). Returns the final job; TimeoutError after `timeout` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        current = None
         for delay in delays(poll_s, max_poll_s):
-            current = self.get_job(job)
-            if on_progress is not None:
-                on_progress(current)
-            if current.state in TERMINAL_STATES:
-                return current
+            try:
+                current = self.get_job(job)
+            except TRANSIENT:
+                pass
+            else:
+                if on_progress is not None:
+                    on_progress(current)
+                if current.state in TERMINAL_STATES:
+                    return current
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"job {current.id} is still {current.state} after {timeout}s")
+                    raise still_waiting(job, current, timeout)
                 delay = min(delay, left)
             time.sleep(delay)
         raise AssertionError("unreachable")

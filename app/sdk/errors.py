@@ -58,6 +58,11 @@ class ServerError(HsxError):
     """5xx: the service failed."""
 
 
+class Unavailable(ServerError):
+    """503: the service cannot answer now (its database is restarting or unreachable); nothing was changed,
+    so the same request can be sent again. `wait()` keeps polling through it."""
+
+
 class ChecksumMismatch(HsxError):
     """A downloaded shard's sha256 differs from the manifest's (status 0: found by the client)."""
 
@@ -69,6 +74,7 @@ class ChecksumMismatch(HsxError):
 
 BY_STATUS: dict[int, type[HsxError]] = {
     401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 413: PayloadTooLarge, 422: InvalidInput,
+    503: Unavailable,
 }
 
 
