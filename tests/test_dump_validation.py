@@ -402,6 +402,24 @@ def test_non_finite_values(tmp_path, dtype, bad):
     assert validate_code(d) == "non_finite"
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("last", ["finite", "inf"])
+def test_extreme_finite_values_pass_and_a_late_inf_is_found(tmp_path, dtype, last):
+    """The largest finite values of either sign are finite; an inf past the first reduction chunk
+    (more than a million values per layer) is still found."""
+    n = 300  # 300 x 4096 values per layer: more than one chunk
+    big = torch.finfo(getattr(torch, dtype)).max
+    signs = torch.where(torch.arange(n * 4096) % 2 == 0, 1.0, -1.0).reshape(n, 4096)
+    hs = {i: (signs * big).to(getattr(torch, dtype)) for i in LAYERS}
+    if last == "inf":
+        hs[LAYERS[-1]][n - 1, 4095] = float("inf")
+    d, _ = make_dump(tmp_path, ids=list(range(1, n + 1)), dtype=dtype, hs=hs, hidden=4096)
+    if last == "inf":
+        assert validate_code(d) == "non_finite"
+    else:
+        assert validate(d, read_meta(d)).num_tokens == n
+
+
 @pytest.mark.parametrize("expect", [[2, 4], [2, 4, 7, 8], [2, 4, 6], [7, 4, 2], []])
 def test_layers_differ_from_expected(tmp_path, expect):
     d, _ = make_dump(tmp_path)

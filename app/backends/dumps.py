@@ -17,13 +17,39 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors import safe_open
 
-from app.storage.safetensors_raw import NAME_BY_CODE, SafetensorsFormatError, TensorSpan, read_index
+from app.storage.safetensors_raw import CODE_BY_NAME, NAME_BY_CODE, SafetensorsFormatError, TensorSpan, read_index
 
 REQUIRED_META = ("num_tokens", "layers", "hidden_size", "dtype")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class FloatBits:
+    """A float format seen as unsigned integers: a value is NaN or infinite exactly when its bits,
+    sign cleared, are at least the all-ones exponent. One integer max per chunk finds any, and the
+    service needs no tensor library for it (torch is imported only for old `.pt` dumps)."""
+
+    uint: type
+    magnitude: int  # everything but the sign bit
+    exponent: int  # the all-ones exponent: infinity's bits
+
+
+DTYPES = {
+    "bfloat16": FloatBits(np.uint16, 0x7FFF, 0x7F80),
+    "float16": FloatBits(np.uint16, 0x7FFF, 0x7C00),
+    "float32": FloatBits(np.uint32, 0x7FFFFFFF, 0x7F800000),
+}
+FINITE_CHUNK = 1 << 20  # values per reduction: bounds the scratch buffer, not the tensor
+
+
+@dataclass(frozen=True)
+class LoadedTensor:
+    """A layer read from an older writer's `.pt` file: its safetensors dtype code, shape and raw bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
 
 
 class DumpRejected(Exception):
@@ -146,8 +172,8 @@ def _dump_ids(d: Path) -> list[int] | None:
     if not f.exists():
         return None
     try:
-        with safe_open(str(f), framework="pt") as st:
-            return st.get_tensor("input_ids").to(torch.int64).tolist()
+        with safe_open(str(f), framework="numpy") as st:
+            return st.get_tensor("input_ids").astype(np.int64).tolist()
     except Exception as exc:  # any unreadable file is a rejected dump, whatever the library raised
         raise DumpRejected("bad_input_ids", f"{d.name}/input_ids.safetensors unreadable: {exc}") from exc
 
@@ -194,6 +220,8 @@ def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | bytes]:
             out[i] = index[f"layer_{i}"]
         return out
     # Older writers: one torch.save'd tensor per layer; never unpickle anything but tensors.
+    import torch  # only these dumps need it; the service otherwise runs without loading torch
+
     out = {}
     for i in layers:
         f = d / f"layer_{i}.pt"
@@ -205,12 +233,9 @@ def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | bytes]:
             raise DumpRejected("bad_tensor_file", f"layer_{i}.pt unreadable: {exc}") from exc
         if not isinstance(t, torch.Tensor):
             raise DumpRejected("bad_tensor_file", f"layer_{i}.pt holds {type(t).__name__}, not a tensor")
-        out[i] = t
+        code = CODE_BY_NAME.get(str(t.dtype).removeprefix("torch."), str(t.dtype))
+        out[i] = LoadedTensor(code, tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
     return out
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
@@ -229,55 +254,47 @@ def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
         raise DumpRejected("wrong_shape", f"hidden_size {hidden} != {expect_hidden}")
     if expect_dtype is not None and dtype != expect_dtype:
         raise DumpRejected("wrong_dtype", f"dtype {dtype} != {expect_dtype}")
-    sources = _layer_sources(d, meta)
     checked: dict[int, TensorSpan | bytes] = {}
-    for i, src in sources.items():
-        if isinstance(src, TensorSpan):
-            if NAME_BY_CODE.get(src.dtype) != dtype:
-                actual = NAME_BY_CODE.get(src.dtype, src.dtype)
-                raise DumpRejected("wrong_dtype", f"layer_{i} is {actual}, meta says {dtype}")
-            if src.shape != (n, hidden):
-                raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(src.shape)}, expected [{n}, {hidden}]")
-            if not _span_finite(src, DTYPES[dtype]):
-                raise DumpRejected("non_finite", f"layer_{i} holds NaN or Inf")
-            checked[i] = src
-        else:
-            t = src
-            if t.dtype != DTYPES[dtype]:
-                raise DumpRejected("wrong_dtype", f"layer_{i} is {t.dtype}, meta says {dtype}")
-            if tuple(t.shape) != (n, hidden):
-                raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(t.shape)}, expected [{n}, {hidden}]")
-            checked[i] = _tensor_bytes(t)
-            if t.numel() and not _finite(t):
-                raise DumpRejected("non_finite", f"layer_{i} holds NaN or Inf")
+    for i, src in _layer_sources(d, meta).items():
+        if NAME_BY_CODE.get(src.dtype) != dtype:
+            actual = NAME_BY_CODE.get(src.dtype, src.dtype)
+            raise DumpRejected("wrong_dtype", f"layer_{i} is {actual}, meta says {dtype}")
+        if tuple(src.shape) != (n, hidden):
+            raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(src.shape)}, expected [{n}, {hidden}]")
+        finite = _span_finite(src, DTYPES[dtype]) if isinstance(src, TensorSpan) else _finite(src.data, DTYPES[dtype])
+        if not finite:
+            raise DumpRejected("non_finite", f"layer_{i} holds NaN or Inf")
+        checked[i] = src if isinstance(src, TensorSpan) else src.data
     return Dump(d, meta, checked)
 
 
-def _finite(t: torch.Tensor) -> bool:
-    # One reduction instead of a mask as large as the tensor: min and max are NaN if any value is,
-    # and infinite if any value is.
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+def _finite(buffer, bits: FloatBits, offset: int = 0, count: int = -1) -> bool:
+    values = np.frombuffer(buffer, dtype=bits.uint, count=count, offset=offset)
+    scratch = np.empty(min(values.size, FINITE_CHUNK), dtype=bits.uint)
+    for start in range(0, values.size, FINITE_CHUNK):
+        chunk = values[start:start + FINITE_CHUNK]
+        part = scratch[:chunk.size]
+        np.bitwise_and(chunk, bits.magnitude, out=part)
+        if part.max() >= bits.exponent:
+            return False
+    return True
 
 
-def _span_finite(span: TensorSpan, dtype: torch.dtype) -> bool:
-    """Check a tensor in place through a private mapping of its file: no copy of the data."""
-    count = span.nbytes // dtype.itemsize
+def _span_finite(span: TensorSpan, bits: FloatBits) -> bool:
+    """Check a tensor in place through a read-only mapping of its file: no copy of the data."""
+    count = span.nbytes // np.dtype(bits.uint).itemsize
     if count == 0:
         return True
     with open(span.path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        t = torch.frombuffer(mm, dtype=dtype, count=count, offset=span.start)
-        ok = _finite(t)
-        del t
+        return _finite(mm, bits, span.start, count)
     finally:
         mm.close()
-    return ok
 
 
 def load_staged(d: Path) -> Dump:
     """Reopen a dump that was validated and staged earlier (possibly before a restart)."""
     meta = read_meta(d)
     sources = _layer_sources(d, meta)
-    return Dump(d, meta, {i: src if isinstance(src, TensorSpan) else _tensor_bytes(src) for i, src in sources.items()})
+    return Dump(d, meta, {i: src if isinstance(src, TensorSpan) else src.data for i, src in sources.items()})

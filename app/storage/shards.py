@@ -19,9 +19,11 @@ import numpy as np
 
 from app.storage.atomic import atomic_writer
 from app.storage.safetensors_raw import CODE_BY_NAME, ITEMSIZE, TensorSpan, encode_header
+from app.storage.writeback import start_writeback
 
 SHARD_FORMAT = "hsx-shard/1"
 COPY_CHUNK = 8 * 1024 * 1024
+WRITEBACK_EVERY = 32 * 1024 * 1024
 
 
 @dataclass
@@ -53,15 +55,23 @@ def shard_name(number: int) -> str:
 
 
 class _HashingWriter:
+    """Writes, hashes, and keeps the disk busy: every WRITEBACK_EVERY bytes, writeback of what was
+    written since starts in the background (see app.storage.writeback)."""
+
     def __init__(self, f: BinaryIO):
         self.f = f
         self.sha = hashlib.sha256()
         self.count = 0
+        self.flushed = 0
 
     def write(self, data: bytes | memoryview) -> None:
         self.f.write(data)
         self.sha.update(data)
         self.count += len(data)
+        if self.count - self.flushed >= WRITEBACK_EVERY:
+            self.f.flush()
+            start_writeback(self.f.fileno(), self.flushed, self.count - self.flushed)
+            self.flushed = self.count
 
 
 def _copy_span(span: TensorSpan, out: _HashingWriter, maps: dict[Path, mmap.mmap]) -> None:
