@@ -5,7 +5,8 @@
 
 Streams the job as JSONL (application/x-ndjson) into a service whose writer extracts from a small
 synthetic reference server, then, while it runs, times GET /v1/jobs/{id} and a page of samples,
-and reports the service's peak RSS. Prints: creation time, GET latency p50/p99, page latency, RSS.
+cancels it (every queued sample at once), and reports the service's peak RSS. Prints: creation time,
+GET latency p50/p99, page latency, the cancel's time, RSS.
 """
 
 from __future__ import annotations
@@ -72,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                     c.get(f"{base}/v1/jobs/{job['id']}/samples", params={"limit": 100, "after": f"s{i * 1000}"})
                     pages.append(time.perf_counter() - t)
             done = state["counts"]["succeeded"] + state["counts"]["staged"]
-            c.post(f"{base}/v1/jobs/{job['id']}/cancel")
+            t = time.perf_counter()
+            cancel = c.post(f"{base}/v1/jobs/{job['id']}/cancel")
+            cancel_s = time.perf_counter() - t
+            assert cancel.status_code == 200 and cancel.json()["state"] in ("cancelling", "cancelled"), cancel.text
+            cancelled = cancel.json()["counts"]["cancelled"]
         _, rss = proc_cpu_and_rss(svc.proc.pid)
         svc.stop()
         ref.stop()
@@ -84,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({done:,} samples extracted meanwhile)")
     print(f"  GET .../samples page of 100: p50 {statistics.median(pages) * 1000:.1f} ms, "
           f"max {max(pages) * 1000:.1f} ms")
+    print(f"  POST .../cancel:            {cancel_s * 1000:.0f} ms ({cancelled:,} queued samples cancelled)")
     print(f"  service peak RSS:           {rss / MiB:.0f} MiB")
     return 0
 

@@ -7,11 +7,15 @@ Runs, in one process tree on this machine, with a synthetic reference server (no
 tensors of a realistic shape written to /dev/shm):
   disk      the output disk's sequential write rate (8 MiB writes, then fsync)
   bare      the first pipeline's shape: one sample at a time, clear -> POST -> scan -> load -> save,
-            no database, no API
+            no database, no API; and the same loop made as durable as the service (fsync each file)
   serial    the service in clear-and-scan mode (SQLite)
   rid       the service in rid mode with requests in flight, against a server that batches
 each with an instant server and with a simulated prefill time comparable to the time to persist
 a sample. Prints samples/s, tokens/s, GB/s persisted, CPU seconds per sample and peak RSS.
+
+A virtual disk's rate drifts from minute to minute, so the disk is measured again after every
+scenario (the table uses the median, the range is printed), and `--repeat N` runs every row N
+times and reports the run with the median rate.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import os
 import random
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -88,7 +94,7 @@ class Bench:
         proc.wait_http(url + "/health")
         return proc, url, root
 
-    def bare(self, prefill_us: float) -> dict:
+    def bare(self, prefill_us: float, durable: bool = False) -> dict:
         ref, url, root = self.server("bare", prefill_us, rid=False)
         out = self.work / "bare-out"
         out.mkdir()
@@ -104,12 +110,16 @@ class Bench:
                     done = [d for d in root.glob("req_*") if (d / "done").exists()]
                 tensors = load_file(done[0] / "hidden_states.safetensors")
                 save_file(tensors, out / f"sample_{i}.safetensors")
+                if durable:
+                    fd = os.open(out / f"sample_{i}.safetensors", os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
         wall = time.perf_counter() - start
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         ref.stop()
         shutil.rmtree(out)
         cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-        return self._figures("bare loop", wall, cpu, r1.ru_maxrss * 1024)
+        return self._figures("bare loop, fsync each file" if durable else "bare loop", wall, cpu, r1.ru_maxrss * 1024)
 
     def service(self, name: str, prefill_us: float, rid: bool) -> dict:
         ref, url, root = self.server(name, prefill_us, rid=rid)
@@ -152,6 +162,10 @@ class Bench:
                 "wall_s": wall}
 
 
+def median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["samples_s"])[len(runs) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=40)
@@ -159,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per row; the median is reported")
     parser.add_argument("--database-on", choices=["disk", "shm"], default="disk",
                         help="where the service's SQLite file lives: on the output disk, or in /dev/shm (as a "
                              "database on other storage would be)")
@@ -171,28 +186,34 @@ def main(argv: list[str] | None = None) -> int:
             tempfile.TemporaryDirectory(prefix="hsx-bench-", dir="/dev/shm") as shm:
         work = Path(tmp)
         bench = Bench(args, work, Path(shm))
-        disk = disk_write_rate(work)
-        persist_s = bench.bytes_per_sample / disk
+        disks = [disk_write_rate(work)]
+        persist_s = bench.bytes_per_sample / disks[0]
         prefill_us = args.prefill_us_per_token
         if prefill_us is None:
             prefill_us = persist_s / args.tokens * 1e6
         print(f"machine: {os.cpu_count()} cores; sample: {args.tokens} tokens x {args.layers} layers x hidden "
-              f"{args.hidden} bf16 = {bench.bytes_per_sample / MiB:.1f} MiB; {args.samples} samples per run")
-        print(f"disk: sequential write {disk / 1e9:.2f} GB/s (8 MiB writes + fsync) -> {persist_s * 1000:.0f} ms "
+              f"{args.hidden} bf16 = {bench.bytes_per_sample / MiB:.1f} MiB; {args.samples} samples per run, "
+              f"each row the median of {args.repeat} run(s)")
+        print(f"disk: sequential write {disks[0] / 1e9:.2f} GB/s (8 MiB writes + fsync) -> {persist_s * 1000:.0f} ms "
               f"to persist a sample; 'comparable' prefill = {prefill_us:.1f} us/token "
               f"({prefill_us * args.tokens / 1000:.0f} ms per sample)")
         rows = []
         for scenario, us in (("instant server", 0.0), ("prefill ~ persist", prefill_us),
                              ("prefill ~ 4x persist", 4 * prefill_us)):
-            bare = bench.bare(us)
-            serial = bench.service("serial", us, rid=False)
-            rid = bench.service("rid", us, rid=True)
-            for r in (bare, serial, rid):
+            runs = [partial(bench.bare, us), partial(bench.bare, us, durable=True),
+                    partial(bench.service, "serial", us, rid=False), partial(bench.service, "rid", us, rid=True)]
+            bare, durable, serial, rid = (median_run([run() for _ in range(args.repeat)]) for run in runs)
+            for r in (bare, durable, serial, rid):
                 r["scenario"] = scenario
                 r["vs_bare"] = r["samples_s"] / bare["samples_s"]
                 r["vs_serial"] = r["samples_s"] / serial["samples_s"]
-                r["vs_disk"] = r["gb_s"] * 1e9 / disk
                 rows.append(r)
+            disks.append(disk_write_rate(work))
+        disk = statistics.median(disks)
+        for r in rows:
+            r["vs_disk"] = r["gb_s"] * 1e9 / disk
+        print(f"disk, measured after each scenario too: median {disk / 1e9:.2f} GB/s "
+              f"(range {min(disks) / 1e9:.2f}-{max(disks) / 1e9:.2f}); 'of disk' below is against the median")
         print(f"{'scenario':<21}{'run':<36}{'samples/s':>10}{'tokens/s':>11}{'GB/s':>7}{'CPU s/smp':>10}"
               f"{'RSS MiB':>9}{'x bare':>8}{'x serial':>9}{'of disk':>8}")
         for r in rows:

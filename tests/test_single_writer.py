@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from sqlalchemy import update
+from sqlalchemy import event, update
 from sqlalchemy.exc import IntegrityError
 
 from app.db import repository as repo
@@ -189,3 +189,41 @@ def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
             job = repo.get_job(s, job_id)
             assert job.n_queued == job.n_running == 0, (job.state, job.n_queued, job.n_running)
     engine.dispose()
+
+
+def test_cancel_retry_and_fail_move_a_large_job_in_one_statement(sessions):
+    """More samples than SQLite takes bound parameters (32,766): cancel, fail and retry never send
+    a list of keys, and the counters follow exactly."""
+    n = 40_000
+    ids = np.arange(1, 4, dtype="<i4").tobytes()
+    with sessions.begin() as s:
+        builder = repo.JobBuilder(s, name=None, layers=None)
+        builder.add([repo.NewSample(f"s{i}", ids, None, 3) for i in range(n)])
+        cancelled = builder.finish().id
+        other = repo.create_job(s, name=None, layers=None,
+                                samples=[repo.NewSample(f"s{i}", ids, None, 3) for i in range(n)]).id
+    sizes: list[int] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        sizes.append(len(parameters or ()))
+
+    engine = sessions.kw["bind"]
+    event.listen(engine, "before_cursor_execute", record)
+    with sessions.begin() as s:
+        claimed = repo.claim_next(s, "host:/dump/big")
+        assert claimed.job_id == cancelled
+        repo.cancel_job(s, cancelled)
+        repo.fail_job(s, other, "refused")
+    event.remove(engine, "before_cursor_execute", record)
+    assert sizes and max(sizes) < 50, max(sizes)
+    with sessions() as s:
+        job = repo.get_job(s, cancelled)
+        assert (job.state, job.n_queued, job.n_running, job.n_cancelled) == ("cancelling", 0, 1, n - 1)
+        job = repo.get_job(s, other)
+        assert (job.n_queued, job.n_failed, job.tokens_total) == (0, n, 3 * n)
+    with sessions.begin() as s:
+        assert repo.retry_failed(s, other) == n
+    with sessions() as s:
+        job = repo.get_job(s, other)
+        assert (job.n_queued, job.n_failed) == (n, 0)
+        assert repo.list_samples(s, other, state="queued", after_idx=n - 2, limit=5)[0].attempts == 0

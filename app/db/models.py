@@ -101,7 +101,6 @@ class Sample(Base):
     __table_args__ = (
         UniqueConstraint("job_id", "sample_id", name="uq_samples_job_sample"),
         UniqueConstraint("job_id", "idx", name="uq_samples_job_idx"),
-        Index("ix_samples_claim", "state", "job_id", "idx"),
         Index("ix_samples_job_state_idx", "job_id", "state", "idx"),
         Index("ix_samples_writer_state", "writer", "state"),
         # The database's half of the single-writer rule: one running sample per dump root.

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import case, delete, exists, or_, select, update
+from sqlalchemy import case, delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from app.db.models import TERMINAL_JOB_STATES, Attempt, Job, Sample, Shard, WriterRecord
@@ -54,6 +54,10 @@ class Claimed:
 # --- jobs -------------------------------------------------------------------------------
 
 
+_SAMPLE_INSERT_COLUMNS = ("job_id", "idx", "sample_id", "state", "input_ids", "loss_mask", "num_tokens", "attempts",
+                          "tries", "updated_at")
+
+
 class JobBuilder:
     """Insert a job and its samples batch by batch inside the caller's transaction.
 
@@ -76,13 +80,24 @@ class JobBuilder:
     def add(self, samples: list[NewSample]) -> None:
         if not samples:
             return
-        now = self.job.created_at
-        self.session.execute(Sample.__table__.insert(), [
-            {"job_id": self.job.id, "idx": self.count + i, "sample_id": s.sample_id, "state": "queued",
-             "input_ids": s.input_ids, "loss_mask": s.loss_mask, "num_tokens": s.num_tokens, "attempts": 0,
-             "tries": 0, "updated_at": now}
-            for i, s in enumerate(samples)
-        ])
+        # A million-sample job is a million rows: they go to the driver's bulk path as plain tuples
+        # (COPY on Postgres, executemany on SQLite), skipping a Core insert's per-row parameter
+        # processing. Only updated_at needs the column type's conversion, one value for all rows.
+        conn = self.session.connection()
+        updated_at = Sample.__table__.c.updated_at.type.bind_processor(conn.dialect)
+        now = updated_at(self.job.created_at) if updated_at else self.job.created_at
+        job_id, first = self.job.id, self.count
+        rows = [(job_id, first + i, s.sample_id, "queued", s.input_ids, s.loss_mask, s.num_tokens, 0, 0, now)
+                for i, s in enumerate(samples)]
+        columns = ", ".join(_SAMPLE_INSERT_COLUMNS)
+        if conn.dialect.name == "postgresql":
+            with conn.connection.dbapi_connection.cursor() as cursor:
+                with cursor.copy(f"COPY samples ({columns}) FROM STDIN") as copy:
+                    for row in rows:
+                        copy.write_row(row)
+        else:
+            marks = ", ".join("?" * len(_SAMPLE_INSERT_COLUMNS))
+            conn.exec_driver_sql(f"INSERT INTO samples ({columns}) VALUES ({marks})", rows)
         self.count += len(samples)
         self.tokens += sum(s.num_tokens for s in samples)
 
@@ -140,8 +155,7 @@ def cancel_job(session: Session, job_id: str) -> Job | None:
         return None
     job.state, job.cancel_requested_at = "cancelling", utcnow()
     session.flush()
-    pks = session.execute(select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "queued")).scalars().all()
-    _transition(session, job_id, list(pks), "queued", "cancelled", {"writer": None})
+    _transition(session, job_id, ALL, "queued", "cancelled", {"writer": None})
     session.refresh(job)
     return job
 
@@ -151,8 +165,7 @@ def retry_failed(session: Session, job_id: str) -> int | None:
     job = _lock_job(session, job_id)
     if job is None or job.state in ("cancelling", "cancelled") or job.n_failed == 0:
         return None
-    pks = session.execute(select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "failed")).scalars().all()
-    moved = _transition(session, job_id, list(pks), "failed", "queued", {"attempts": 0, "writer": None})
+    moved = _transition(session, job_id, ALL, "failed", "queued", {"attempts": 0, "writer": None})
     session.execute(update(Job).where(Job.id == job_id)
                     .values(state=case((Job.started_at.is_(None), "queued"), else_="running"),
                             finished_at=None, error=None))
@@ -210,8 +223,7 @@ def finish_job_if_done(session: Session, job_id: str) -> bool:
 def fail_job(session: Session, job_id: str, reason: str) -> None:
     """A job that cannot run at all (e.g. server settings that break dumps): fail what is queued."""
     session.execute(update(Job).where(Job.id == job_id).values(error=reason))
-    pks = session.execute(select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "queued")).scalars().all()
-    _transition(session, job_id, list(pks), "queued", "failed", {"last_error": reason})
+    _transition(session, job_id, ALL, "queued", "failed", {"last_error": reason})
 
 
 # --- sample transitions -------------------------------------------------------------------
@@ -221,18 +233,39 @@ def fail_job(session: Session, job_id: str, reason: str) -> None:
 TOKEN_COUNTERS = {"staged": Job.tokens_staged, "succeeded": Job.tokens_done}
 
 
-def _transition(session: Session, job_id: str, pks: list[int], src: str, dst: str, values: dict) -> int:
-    """Move the samples that are still in `src` to `dst`; keep the job's counters in step."""
-    if not pks:
+ALL = None  # _transition's `pks` for "every sample of the job in that state"
+
+
+def _transition(session: Session, job_id: str, pks: list[int] | None, src: str, dst: str, values: dict) -> int:
+    """Move the samples (`pks`, or ALL of the job's) that are still in `src` to `dst`; keep the
+    job's counters in step.
+
+    Lock order: the job row first, then sample rows, here and in claim_next, so that no two
+    transitions on one job can deadlock and none can change a state's membership behind another.
+    That makes ALL exact: one UPDATE on (job_id, state) whatever the job's size, with the count
+    and tokens it moves summed by the database beforehand; no million keys or values travel.
+    """
+    if pks is not None and not pks:
         return 0
-    moved = session.execute(
-        update(Sample).where(Sample.pk.in_(pks), Sample.state == src)
-        .values(state=dst, updated_at=utcnow(), **values)
-        .returning(Sample.num_tokens)
-        .execution_options(synchronize_session=False)
-    ).scalars().all()
-    if moved:
+    session.execute(select(Job.id).where(Job.id == job_id).with_for_update())
+    stamp = {"state": dst, "updated_at": utcnow(), **values}
+    if pks is ALL:
+        rc, tokens = session.execute(
+            select(func.count(), func.coalesce(func.sum(Sample.num_tokens), 0))
+            .where(Sample.job_id == job_id, Sample.state == src)
+        ).one()
+        if rc:
+            result = session.execute(update(Sample).where(Sample.job_id == job_id, Sample.state == src).values(stamp)
+                                     .execution_options(synchronize_session=False))
+            if result.rowcount != rc:
+                raise RuntimeError(f"job {job_id}: {result.rowcount} samples left {src}, {rc} were counted")
+    else:
+        moved = session.execute(
+            update(Sample).where(Sample.pk.in_(pks), Sample.state == src).values(stamp)
+            .returning(Sample.num_tokens).execution_options(synchronize_session=False)
+        ).scalars().all()
         rc, tokens = len(moved), sum(moved)
+    if rc:
         src_col, dst_col = getattr(Job, f"n_{src}"), getattr(Job, f"n_{dst}")
         changes = {src_col: src_col - rc, dst_col: dst_col + rc}
         if src in TOKEN_COUNTERS:
@@ -240,7 +273,7 @@ def _transition(session: Session, job_id: str, pks: list[int], src: str, dst: st
         if dst in TOKEN_COUNTERS:
             changes[TOKEN_COUNTERS[dst]] = TOKEN_COUNTERS[dst] + tokens
         session.execute(update(Job).where(Job.id == job_id).values(changes))
-    return len(moved)
+    return rc
 
 
 def claim_next(session: Session, writer: str) -> Claimed | None:
