@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -56,17 +57,24 @@ def shard_name(number: int) -> str:
 
 class _HashingWriter:
     """Writes, hashes, and keeps the disk busy: every WRITEBACK_EVERY bytes, writeback of what was
-    written since starts in the background (see app.storage.writeback)."""
+    written since starts in the background (see app.storage.writeback).
 
-    def __init__(self, f: BinaryIO):
+    The hash of a chunk runs on a helper thread while this thread writes the same chunk (both
+    release the GIL), so a shard costs about the longer of the two, not their sum."""
+
+    def __init__(self, f: BinaryIO, hasher: ThreadPoolExecutor):
         self.f = f
         self.sha = hashlib.sha256()
+        self.hasher = hasher
         self.count = 0
         self.flushed = 0
 
     def write(self, data: bytes | memoryview) -> None:
-        self.f.write(data)
-        self.sha.update(data)
+        hashed = self.hasher.submit(self.sha.update, data)
+        try:
+            self.f.write(data)
+        finally:
+            hashed.result()  # in order, and `data` stays valid until both are done with it
         self.count += len(data)
         if self.count - self.flushed >= WRITEBACK_EVERY:
             self.f.flush()
@@ -115,8 +123,8 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
     }
     maps: dict[Path, mmap.mmap] = {}
     try:
-        with atomic_writer(path) as f:
-            out = _HashingWriter(f)
+        with atomic_writer(path) as f, ThreadPoolExecutor(1, thread_name_prefix="hsx-sha256") as hasher:
+            out = _HashingWriter(f, hasher)
             out.write(encode_header(entries, metadata))
             out.write(np.concatenate([s.input_ids for s in samples]).astype("<i8").tobytes())
             out.write(np.concatenate([s.loss_mask for s in samples]).astype("<i8").tobytes())
