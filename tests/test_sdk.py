@@ -356,3 +356,10 @@ def test_download_resumes_with_range_and_verifies_sha256(stack, done, tmp_path):
             client.download_shard(job, "shard-999999.safetensors", tmp_path / "missing")
         with pytest.raises(HsxError):
             client.download_shard(job, "../escape", tmp_path)
+
+
+def test_wait_polls_through_a_service_that_is_down_until_its_timeout():
+    """Connection refused is an outage to wait through, not an error; the timeout still ends it."""
+    with HsxClient(f"http://127.0.0.1:{free_port()}", timeout=1) as hsx:
+        with pytest.raises(TimeoutError, match="not reachable"):
+            hsx.wait("job_nowhere", timeout=0.5, poll_s=0.1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
@@ -13,7 +14,7 @@ from urllib.parse import quote
 import httpx
 
 from app.sdk.errors import ChecksumMismatch, HsxError, Unavailable
-from app.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage
+from app.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
 from app.storage.atomic import atomic_writer, fsync_dir
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -154,9 +155,33 @@ def file_chunks(f: IO[bytes], size: int = 1 << 16) -> Iterator[bytes]:
 TRANSIENT = (Unavailable, httpx.TransportError)
 
 
-def still_waiting(job: JobRef, last: Job | None, timeout: float) -> TimeoutError:
-    what = f"still {last.state}" if last is not None else "not reachable"
-    return TimeoutError(f"job {job_id(job)} is {what} after {timeout}s")
+class Poll:
+    """wait()'s bookkeeping, the same for the sync and async clients: progress callback, backoff from
+    `poll_s` to `max_poll_s`, and the deadline."""
+
+    def __init__(self, job: JobRef, timeout: float | None, poll_s: float, max_poll_s: float,
+                 on_progress: Callable[[Job], None] | None):
+        self.job, self.timeout, self.on_progress = job, timeout, on_progress
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.delays = delays(poll_s, max_poll_s)
+        self.last: Job | None = None
+
+    def finished(self, current: Job) -> bool:
+        self.last = current
+        if self.on_progress is not None:
+            self.on_progress(current)
+        return current.state in TERMINAL_STATES
+
+    def pause(self) -> float:
+        """Seconds to sleep before the next poll; TimeoutError once the deadline has passed."""
+        delay = next(self.delays)
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                what = f"still {self.last.state}" if self.last is not None else "not reachable"
+                raise TimeoutError(f"job {job_id(self.job)} is {what} after {self.timeout}s")
+            delay = min(delay, left)
+        return delay
 
 
 def delays(first: float, most: float, factor: float = 1.5) -> Iterator[float]:

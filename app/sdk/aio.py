@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from pathlib import Path
 from typing import IO, AsyncIterator, Callable
 
@@ -16,16 +15,15 @@ from app.sdk._core import (
     Call,
     Calls,
     JobRef,
+    Poll,
     ShardDownload,
     ShardProgress,
     SSEDecoder,
     check_shard_name,
     client_options,
-    delays,
     job_events,
     jobs_path,
     resolve_dest,
-    still_waiting,
     tensors_from_bytes,
     write_atomic,
 )
@@ -110,25 +108,16 @@ class AsyncHsxClient:
 
     async def wait(self, job: JobRef, *, timeout: float | None = None, poll_s: float = 0.5,
                    max_poll_s: float = 5.0, on_progress: Callable[[Job], None] | None = None) -> Job:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        current = None
-        for delay in delays(poll_s, max_poll_s):
+        poll = Poll(job, timeout, poll_s, max_poll_s, on_progress)
+        while True:
             try:
                 current = await self.get_job(job)
             except TRANSIENT:
                 pass
             else:
-                if on_progress is not None:
-                    on_progress(current)
-                if current.state in TERMINAL_STATES:
+                if poll.finished(current):
                     return current
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise still_waiting(job, current, timeout)
-                delay = min(delay, left)
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+            await asyncio.sleep(poll.pause())
 
     async def events(self, job: JobRef) -> AsyncIterator[Job]:
         async with self._http.stream("GET", jobs_path(job, "events"),

@@ -15,17 +15,16 @@ from app.sdk._core import (
     Call,
     Calls,
     JobRef,
+    Poll,
     ShardDownload,
     ShardProgress,
     SSEDecoder,
     check_shard_name,
     client_options,
-    delays,
     file_chunks,
     job_events,
     jobs_path,
     resolve_dest,
-    still_waiting,
     tensors_from_bytes,
     write_atomic,
 )
@@ -118,25 +117,16 @@ class HsxClient:
         """Poll until the job is succeeded, failed or cancelled, backing off from `poll_s` to `max_poll_s`;
         call `on_progress(job)` after each poll. Polls through the service or its database restarting (503,
         connection errors). Returns the final job; TimeoutError after `timeout` s."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        current = None
-        for delay in delays(poll_s, max_poll_s):
+        poll = Poll(job, timeout, poll_s, max_poll_s, on_progress)
+        while True:
             try:
                 current = self.get_job(job)
             except TRANSIENT:
                 pass
             else:
-                if on_progress is not None:
-                    on_progress(current)
-                if current.state in TERMINAL_STATES:
+                if poll.finished(current):
                     return current
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise still_waiting(job, current, timeout)
-                delay = min(delay, left)
-            time.sleep(delay)
-        raise AssertionError("unreachable")
+            time.sleep(poll.pause())
 
     def events(self, job: JobRef) -> Iterator[Job]:
         """The job each time it changes, from the server-sent event stream; ends once it is finished."""
