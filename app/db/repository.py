@@ -286,9 +286,12 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
     the sample and the partial unique index on running samples per writer are the backstops.
     SQLite serialises writers by itself and ignores the row locks.
     """
+    # The queued rows themselves, not the n_queued counter, say whether a job has work: a job can
+    # never be picked for nothing while another waits.
+    has_queued = exists().where(Sample.job_id == Job.id, Sample.state == "queued")
     job_id = session.execute(
-        select(Job.id).where(Job.state.in_(("queued", "running")), Job.n_queued > 0)
-        .order_by(Job.id).limit(1).with_for_update()
+        select(Job.id).where(Job.state.in_(("queued", "running")), has_queued)
+        .order_by(Job.id).limit(1).with_for_update(of=Job)
     ).scalar()
     if job_id is None:
         return None
