@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
+import sys
 
 SYNC_FILE_RANGE_WRITE = 2
 
 
 def _load():
-    if not hasattr(os, "sched_getaffinity"):  # not Linux
+    if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None).sync_file_range
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -30,13 +30,12 @@ def _load():
 
 
 _sync_file_range = _load()
-AVAILABLE = _sync_file_range is not None
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing [offset, offset + nbytes) of `fd` to disk; returns at once."""
-    if _sync_file_range is None or nbytes <= 0:
-        return
-    if _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+    """Ask the kernel to start writing [offset, offset + nbytes) of `fd` to disk; returns at once.
+
+    Only a hint: a file system that refuses it (EINVAL, ESPIPE) changes nothing, and a real write
+    error (EIO, ENOSPC) is reported by the fsync that makes the file durable, so the result is ignored."""
+    if _sync_file_range is not None and nbytes > 0:
+        _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
