@@ -14,9 +14,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from app.backends.dumps import (
     Dump,
@@ -32,6 +33,7 @@ from app.backends.dumps import (
 )
 from app.reference.dumper import DumpWriter, input_ids_sha256
 from app.storage.safetensors_raw import TensorSpan
+from app.storage.shards import NonFiniteSamples, ShardSample, write_shard
 
 IDS = [101, 7, 9, 2048, 3, 77]
 N = len(IDS)
@@ -393,31 +395,53 @@ def test_dtype_differs_from_expected(tmp_path):
     assert validate_code(d, expect_dtype="float16") == "wrong_dtype"
 
 
+def write_as_shard(d: Path, out: Path, sample_id: str = "s"):
+    """Validate a dump and write it as a one-sample shard, as the service does."""
+    dump = validate(d, read_meta(d))
+    ids = np.arange(dump.num_tokens, dtype=np.int64)  # the ids play no part in what is checked here
+    layers = [int(i) for i in dump.meta["layers"]]
+    return write_shard(out, [ShardSample(sample_id, ids, np.ones_like(ids), dump.layers)], layers,
+                       dump.meta["dtype"], int(dump.meta["hidden_size"]))
+
+
+def non_finite_reasons(d: Path, out: Path) -> dict[str, str]:
+    with pytest.raises(NonFiniteSamples) as ei:
+        write_as_shard(d, out)
+    assert not out.exists() and not list(out.parent.glob(".*.tmp-*"))
+    return ei.value.reasons
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
-def test_non_finite_values(tmp_path, dtype, bad):
+def test_non_finite_values_pass_validation_and_are_refused_by_the_shard_writer(tmp_path, dtype, bad):
+    """Validation does not read the values (that would read every dump twice, once on the request
+    path); the shard writer reads each value as it copies it and refuses the sample."""
     hs = hidden_states(getattr(torch, dtype))
     hs[LAYERS[-1]][N - 1, HIDDEN - 1] = bad  # the very last value of the last layer
     d, _ = make_dump(tmp_path, dtype=dtype, hs=hs)
-    assert validate_code(d) == "non_finite"
+    assert validate(d, read_meta(d)).num_tokens == N
+    reasons = non_finite_reasons(d, tmp_path / "out" / "shard.safetensors")
+    assert reasons == {"s": f"layer_{LAYERS[-1]} holds NaN or Inf"}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("last", ["finite", "inf"])
 def test_extreme_finite_values_pass_and_a_late_inf_is_found(tmp_path, dtype, last):
-    """The largest finite values of either sign are finite; an inf past the first reduction chunk
-    (more than a million values per layer) is still found."""
-    n = 300  # 300 x 4096 values per layer: more than one chunk
+    """The largest finite values of either sign are finite; an inf past the first reduction (more
+    than a million values per layer) and, for float32, past the first 8 MiB copy chunk is found."""
+    n = 600  # 600 x 4096 values per layer
     big = torch.finfo(getattr(torch, dtype)).max
     signs = torch.where(torch.arange(n * 4096) % 2 == 0, 1.0, -1.0).reshape(n, 4096)
     hs = {i: (signs * big).to(getattr(torch, dtype)) for i in LAYERS}
     if last == "inf":
         hs[LAYERS[-1]][n - 1, 4095] = float("inf")
     d, _ = make_dump(tmp_path, ids=list(range(1, n + 1)), dtype=dtype, hs=hs, hidden=4096)
+    out = tmp_path / "out" / "shard.safetensors"
     if last == "inf":
-        assert validate_code(d) == "non_finite"
+        assert non_finite_reasons(d, out) == {"s": f"layer_{LAYERS[-1]} holds NaN or Inf"}
     else:
-        assert validate(d, read_meta(d)).num_tokens == n
+        assert write_as_shard(d, out).num_tokens == n
+        assert load_file(str(out))[f"layer_{LAYERS[-1]}"].abs().max().item() == big
 
 
 @pytest.mark.parametrize("expect", [[2, 4], [2, 4, 7, 8], [2, 4, 6], [7, 4, 2], []])
@@ -498,7 +522,7 @@ def test_legacy_pt_non_finite(tmp_path):
     hs = hidden_states()
     hs[7][0, 0] = float("nan")
     d = make_legacy_dump(tmp_path, "old", hs)
-    assert validate_code(d) == "non_finite"
+    assert non_finite_reasons(d, tmp_path / "out" / "shard.safetensors") == {"s": "layer_7 holds NaN or Inf"}
 
 
 class _Payload:

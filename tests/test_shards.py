@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from app.storage.manifest import read_sample
 from app.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
-from app.storage.shards import SHARD_FORMAT, ShardSample, shard_name, write_shard
+from app.storage.shards import SHARD_FORMAT, NonFiniteSamples, ShardSample, shard_name, write_shard
 
 LAYERS = [3, 1]  # deliberately not sorted: the shard follows the order it is given
 HIDDEN = 6
@@ -346,3 +346,28 @@ def test_read_index_deeply_nested_header(tmp_path):
 def test_read_index_malformed_shape(tmp_path, shape):
     with pytest.raises(SafetensorsFormatError):
         read_index(write_raw(tmp_path / "neg", json.dumps({"x": entry("F32", shape, 0, 32)}).encode(), b"\0" * 32))
+
+
+def test_non_finite_samples_are_named_and_no_shard_is_left(tmp_path):
+    """Each sample holding NaN or Inf is named, whatever its source; the others are not, and a
+    shard of those alone can be written next."""
+    fx = Fixture(tmp_path / "src", "bfloat16")
+    out = tmp_path / "out"
+    path = out / shard_name(0)
+    with_nan = fx.tensors[LAYERS[1]][1].clone()
+    with_nan[4, 5] = float("nan")
+    fx.samples[1].layers[LAYERS[1]] = raw(with_nan)  # raw bytes, second layer
+    with_inf = fx.tensors[LAYERS[0]][2].clone()
+    with_inf[0, 0] = float("-inf")
+    span = fx.samples[2].layers[LAYERS[0]]
+    with open(span.path, "r+b") as f:  # in its dump file, first layer
+        f.seek(span.start)
+        f.write(raw(with_inf))
+    with pytest.raises(NonFiniteSamples) as ei:
+        write_shard(path, fx.samples, LAYERS, "bfloat16", HIDDEN)
+    assert ei.value.reasons == {"s-b": f"layer_{LAYERS[1]} holds NaN or Inf",
+                                "s-c": f"layer_{LAYERS[0]} holds NaN or Inf"}
+    assert dir_listing(out) == []
+    info = write_shard(path, fx.samples[:1], LAYERS, "bfloat16", HIDDEN)
+    loaded = load_file(str(path))
+    assert info.num_samples == 1 and torch.equal(loaded[f"layer_{LAYERS[0]}"], fx.tensors[LAYERS[0]][0])

@@ -66,9 +66,9 @@ def test_a_truncated_shard_and_a_missing_one(job):
 
 def test_non_finite_values_are_found_per_sample_across_chunks(tmp_path):
     samples = random_samples(3, [2, 4, 5, 8], 16, "bfloat16", lengths=[4, 11, 6])
-    samples[1].layers[4][10, 3] = float("nan")  # the last row of an 11-row sample: the third chunk of 4
-    samples[2].layers[8][0, 0] = float("inf")
     job = make_job(tmp_path, samples=samples, samples_per_shard=3)
+    job.set_value("s-1", 4, 10, 3, float("nan"))  # the last row of an 11-row sample: the third chunk of 4
+    job.set_value("s-2", 8, 0, 0, float("inf"))
     report = verify_job(job.job_dir, chunk_rows=4)
     assert kinds(report) == {"non_finite": 2}
     by_sample = {f.sample: f for f in report.sample_faults}

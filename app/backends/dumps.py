@@ -1,7 +1,9 @@
 """The dump root: clear it, find our completed dump, move it out, validate it.
 
-Every check in shared "what a reader must check" lives here; anything that fails one is a
-DumpRejected with a short machine-readable code and a human reason, never a stored sample.
+Every check in shared "what a reader must check" lives here but one: that every value is finite,
+which the shard writer checks as it copies the values (app.storage.shards). Anything that fails
+a check is a DumpRejected with a short machine-readable code and a human reason, never a stored
+sample.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import shutil
 from dataclasses import dataclass
@@ -19,28 +20,10 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from app.storage.finite import FLOAT_BITS
 from app.storage.safetensors_raw import CODE_BY_NAME, NAME_BY_CODE, SafetensorsFormatError, TensorSpan, read_index
 
 REQUIRED_META = ("num_tokens", "layers", "hidden_size", "dtype")
-
-
-@dataclass(frozen=True)
-class FloatBits:
-    """A float format seen as unsigned integers: a value is NaN or infinite exactly when its bits,
-    sign cleared, are at least the all-ones exponent. One integer max per chunk finds any, and the
-    service needs no tensor library for it (torch is imported only for old `.pt` dumps)."""
-
-    uint: type
-    magnitude: int  # everything but the sign bit
-    exponent: int  # the all-ones exponent: infinity's bits
-
-
-DTYPES = {
-    "bfloat16": FloatBits(np.uint16, 0x7FFF, 0x7F80),
-    "float16": FloatBits(np.uint16, 0x7FFF, 0x7C00),
-    "float32": FloatBits(np.uint32, 0x7FFFFFFF, 0x7F800000),
-}
-FINITE_CHUNK = 1 << 20  # values per reduction: bounds the scratch buffer, not the tensor
 
 
 @dataclass(frozen=True)
@@ -240,12 +223,16 @@ def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | bytes]:
 
 def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
              expect_hidden: int | None = None, expect_dtype: str | None = None) -> Dump:
-    """Check shapes, dtypes, finiteness and cache use; return the dump with byte sources."""
+    """Check shapes, dtypes and cache use; return the dump with byte sources.
+
+    Reading every value for NaN and Inf is left to the shard writer, which reads each byte
+    anyway (app.storage.shards): a check here would read the whole dump a second time on the
+    request path, while the model server waits for our next request."""
     check_meta_fields(d.name, meta)
     if int(meta.get("cached_tokens") or 0) != 0:
         raise DumpRejected("cached_tokens", f"{meta['cached_tokens']} prompt tokens came from the prefix cache")
     n, hidden, dtype = int(meta["num_tokens"]), int(meta["hidden_size"]), str(meta["dtype"])
-    if dtype not in DTYPES:
+    if dtype not in FLOAT_BITS:
         raise DumpRejected("wrong_dtype", f"meta dtype {dtype!r} is not bfloat16, float16 or float32")
     layers = [int(i) for i in meta["layers"]]
     if expect_layers is not None and layers != list(expect_layers):
@@ -261,36 +248,8 @@ def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
             raise DumpRejected("wrong_dtype", f"layer_{i} is {actual}, meta says {dtype}")
         if tuple(src.shape) != (n, hidden):
             raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(src.shape)}, expected [{n}, {hidden}]")
-        finite = _span_finite(src, DTYPES[dtype]) if isinstance(src, TensorSpan) else _finite(src.data, DTYPES[dtype])
-        if not finite:
-            raise DumpRejected("non_finite", f"layer_{i} holds NaN or Inf")
         checked[i] = src if isinstance(src, TensorSpan) else src.data
     return Dump(d, meta, checked)
-
-
-def _finite(buffer, bits: FloatBits, offset: int = 0, count: int = -1) -> bool:
-    values = np.frombuffer(buffer, dtype=bits.uint, count=count, offset=offset)
-    scratch = np.empty(min(values.size, FINITE_CHUNK), dtype=bits.uint)
-    for start in range(0, values.size, FINITE_CHUNK):
-        chunk = values[start:start + FINITE_CHUNK]
-        part = scratch[:chunk.size]
-        np.bitwise_and(chunk, bits.magnitude, out=part)
-        if part.max() >= bits.exponent:
-            return False
-    return True
-
-
-def _span_finite(span: TensorSpan, bits: FloatBits) -> bool:
-    """Check a tensor in place through a read-only mapping of its file: no copy of the data."""
-    count = span.nbytes // np.dtype(bits.uint).itemsize
-    if count == 0:
-        return True
-    with open(span.path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        return _finite(mm, bits, span.start, count)
-    finally:
-        mm.close()
 
 
 def load_staged(d: Path) -> Dump:

@@ -416,6 +416,25 @@ def requeue_staged(session: Session, job_id: str, pks: list[int], reason: str) -
                 {"writer": None, "staged_path": None, "last_error": reason})
 
 
+def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_attempts: int) -> str:
+    """The shard writer found what staging does not check (NaN or Inf among the values): the
+    attempt that staged the sample failed after all. Queue the sample again, or fail it once its
+    budget is spent; returns the state it went to."""
+    attempts, number = session.execute(select(Sample.attempts, Sample.tries).where(Sample.pk == pk)).one()
+    final = attempts >= max_attempts
+    session.execute(
+        update(Attempt).where(Attempt.sample_pk == pk, Attempt.number == number)
+        .values(outcome="failed" if final else "retry", reason=reason)
+    )
+    dst = "failed" if final else _requeue_state(session, job_id)
+    values = {"last_error": reason, "staged_path": None}
+    if not final:
+        values["writer"] = None
+    if _transition(session, job_id, [pk], "staged", dst, values) != 1:
+        raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
+    return dst
+
+
 def reserve_shard_number(session: Session, job_id: str) -> int:
     return session.execute(
         update(Job).where(Job.id == job_id).values(shards_written=Job.shards_written + 1).returning(Job.shards_written)

@@ -55,7 +55,8 @@ class WriterMetrics:
 
     def render(self) -> list[str]:
         with self._lock:
-            lines = ["# HELP hsx_attempts_total Sample attempts by outcome and reason code.",
+            lines = ["# HELP hsx_attempts_total Sample attempts by outcome and reason code; an ok attempt whose "
+                     "values the shard writer finds NaN or Inf counts again as outcome rejected.",
                      "# TYPE hsx_attempts_total counter"]
             for (outcome, code), n in sorted(self.attempts.items()):
                 lines.append(f'hsx_attempts_total{{outcome="{outcome}",reason="{code}"}} {n}')

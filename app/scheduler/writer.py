@@ -43,7 +43,7 @@ from app.db import repository as repo
 from app.manifests import finish_job, job_dir
 from app.scheduler.metrics import WriterMetrics
 from app.scheduler.server_check import dump_breaking_settings
-from app.storage.shards import ShardSample, shard_name, write_shard
+from app.storage.shards import NonFiniteSamples, ShardSample, shard_name, write_shard
 
 log = logging.getLogger("hsx.writer")
 
@@ -473,7 +473,15 @@ class Writer:
         info, job_id = job.model_info, job.id
         number = self._db(lambda s: repo.reserve_shard_number(s, job_id))
         out = job_dir(self.settings.output_root, job_id) / shard_name(number)
-        shard = write_shard(out, [p for _, p in pieces], info["layers"], info["dtype"], info["hidden_size"])
+        try:
+            shard = write_shard(out, [p for _, p in pieces], info["layers"], info["dtype"], info["hidden_size"])
+        except NonFiniteSamples as exc:
+            # Only those samples failed: their attempts say why, the others get a shard without them.
+            self._reject(job_id, [(x, exc.reasons[p.sample_id]) for x, p in pieces if p.sample_id in exc.reasons])
+            rest = [(x, p) for x, p in pieces if p.sample_id not in exc.reasons]
+            if rest:
+                self._write_shard(job, rest)
+            return
         placed = [(x.pk, off, p.num_tokens) for (x, p), off in zip(pieces, shard.offsets)]
         self._db(lambda s: repo.commit_shard(s, job_id, name=shard.name, nbytes=shard.bytes, sha256=shard.sha256,
                                              placed=placed))
@@ -481,6 +489,15 @@ class Writer:
             shutil.rmtree(x.staged_path, ignore_errors=True)
         log.info("job %s: wrote %s (%d samples, %d tokens, %d bytes)", job_id, shard.name, shard.num_samples,
                  shard.num_tokens, shard.bytes)
+
+    def _reject(self, job_id: str, rejected: list[tuple]) -> None:
+        for x, why in rejected:
+            reason = f"non_finite: {why}"
+            outcome = self._db(lambda s, pk=x.pk, why=reason: repo.reject_staged(
+                s, job_id, pk, reason=why, max_attempts=self.settings.max_attempts))
+            shutil.rmtree(x.staged_path, ignore_errors=True)
+            self.metrics.attempt("rejected", reason)
+            log.info("sample %s/%s: %s (%s)", job_id, x.sample_id, reason, outcome)
 
     def _finish(self, job_id: str) -> None:
         """End the job if it is settled; when its manifest cannot be written yet (disk full), the

@@ -12,13 +12,15 @@ import hashlib
 import json
 import mmap
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import numpy as np
 
 from app.storage.atomic import atomic_writer
+from app.storage.finite import FiniteCheck
 from app.storage.safetensors_raw import CODE_BY_NAME, ITEMSIZE, TensorSpan, encode_header
 from app.storage.writeback import start_writeback
 
@@ -51,6 +53,14 @@ class ShardInfo:
     offsets: list[int]
 
 
+class NonFiniteSamples(Exception):
+    """Samples whose values hold NaN or Inf: the shard was not written; `reasons` says where, per sample id."""
+
+    def __init__(self, reasons: dict[str, str]):
+        super().__init__("; ".join(f"{k}: {v}" for k, v in reasons.items()))
+        self.reasons = reasons
+
+
 def shard_name(number: int) -> str:
     return f"shard-{number:06d}.safetensors"
 
@@ -69,9 +79,12 @@ class _HashingWriter:
         self.count = 0
         self.flushed = 0
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, check: Callable[[memoryview], bool] | None = None) -> bool:
+        """Write `data` unless `check` (run while the chunk is hashed) refuses it; returns whether written."""
         hashed = self.hasher.submit(self.sha.update, data)
         try:
+            if check is not None and not check(data):
+                return False
             self.f.write(data)
         finally:
             hashed.result()  # in order, and `data` stays valid until both are done with it
@@ -80,24 +93,36 @@ class _HashingWriter:
             self.f.flush()
             start_writeback(self.f.fileno(), self.flushed, self.count - self.flushed)
             self.flushed = self.count
+        return True
 
 
-def _copy_span(span: TensorSpan, out: _HashingWriter, maps: dict[Path, mmap.mmap]) -> None:
-    # Through a mapping of the source, the bytes are hashed and written without a copy of our own.
-    mm = maps.get(span.path)
+def _chunks(src: TensorSpan | bytes, maps: dict[Path, mmap.mmap]):
+    """A layer's bytes in COPY_CHUNK pieces; a span is read through a mapping of its file, so the
+    bytes are checked, hashed and written without a copy of our own."""
+    if not isinstance(src, TensorSpan):
+        with memoryview(src) as view:
+            for start in range(0, len(view), COPY_CHUNK):
+                with view[start:start + COPY_CHUNK] as chunk:
+                    yield chunk
+        return
+    mm = maps.get(src.path)
     if mm is None:
-        with open(span.path, "rb") as f:
-            mm = maps[span.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if span.end > len(mm):
-        raise OSError(f"{span.path}: ended before its tensor did")
+        with open(src.path, "rb") as f:
+            mm = maps[src.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if src.end > len(mm):
+        raise OSError(f"{src.path}: ended before its tensor did")
     with memoryview(mm) as view:
-        for start in range(span.start, span.end, COPY_CHUNK):
-            with view[start:min(start + COPY_CHUNK, span.end)] as chunk:
-                out.write(chunk)
+        for start in range(src.start, src.end, COPY_CHUNK):
+            with view[start:min(start + COPY_CHUNK, src.end)] as chunk:
+                yield chunk
 
 
 def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int) -> ShardInfo:
-    """Write `samples` as one shard at `path`, atomically; return what the manifest records."""
+    """Write `samples` as one shard at `path`, atomically; return what the manifest records.
+
+    Every value is checked as it is copied: when any sample holds NaN or Inf, no shard is left
+    and NonFiniteSamples names each such sample (the rest are only checked, not written, once
+    the first is found), so the caller can write the others again without them."""
     if not samples:
         raise ValueError("a shard needs at least one sample")
     code = CODE_BY_NAME[dtype]
@@ -128,13 +153,19 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
             out.write(encode_header(entries, metadata))
             out.write(np.concatenate([s.input_ids for s in samples]).astype("<i8").tobytes())
             out.write(np.concatenate([s.loss_mask for s in samples]).astype("<i8").tobytes())
+            finite, bad = FiniteCheck(dtype), {}
             for layer in layers:
                 for s in samples:
-                    src = s.layers[layer]
-                    if isinstance(src, TensorSpan):
-                        _copy_span(src, out, maps)
-                    else:
-                        out.write(src)
+                    if s.sample_id in bad:
+                        continue
+                    # closing(): a chunk stops being a view of the mapping before the mapping is closed
+                    with closing(_chunks(s.layers[layer], maps)) as chunks:
+                        for chunk in chunks:
+                            if not (finite(chunk) if bad else out.write(chunk, check=finite)):
+                                bad[s.sample_id] = f"layer_{layer} holds NaN or Inf"
+                                break
+            if bad:
+                raise NonFiniteSamples(bad)
             size, digest = out.count, out.sha.hexdigest()
     finally:
         for m in maps.values():

@@ -8,6 +8,7 @@ hidden states in hsx's layer numbering.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from app.storage.atomic import write_json_atomic
 from app.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from app.storage.safetensors_raw import read_index
 from app.storage.shards import ShardSample, shard_name, write_shard
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -44,6 +46,22 @@ class JobFixture:
 
     def rewrite_manifest(self) -> None:
         write_json_atomic(self.manifest_path, self.manifest)
+
+    def set_value(self, sample_id: str, layer: int, row: int, col: int, value: float) -> None:
+        """Change one stored value in place and record the shard's new hash: a value that was
+        already wrong when its shard was written (the shard writer itself refuses NaN and Inf)."""
+        entry = next(e for e in self.manifest["samples"] if e["id"] == sample_id)
+        path = self.job_dir / entry["shard"]
+        span = read_index(path)[f"layer_{layer}"]
+        width = span.nbytes // span.shape[0]
+        item = width // span.shape[1]
+        data = torch.tensor([value], dtype=DTYPES[self.manifest["dtype"]]).view(torch.uint8).numpy().tobytes()
+        with open(path, "r+b") as f:
+            f.seek(span.start + (entry["offset"] + row) * width + col * item)
+            f.write(data)
+        shard = next(sh for sh in self.manifest["shards"] if sh["name"] == entry["shard"])
+        shard["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        self.rewrite_manifest()
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
