@@ -15,18 +15,17 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import Callable
 
 import numpy as np
 
 from app.storage.atomic import atomic_writer
 from app.storage.finite import FiniteCheck
 from app.storage.safetensors_raw import CODE_BY_NAME, ITEMSIZE, TensorSpan, encode_header
-from app.storage.writeback import start_writeback
+from app.storage.sink import BufferedSink, DirectSink, open_sink
 
 SHARD_FORMAT = "hsx-shard/1"
 COPY_CHUNK = 8 * 1024 * 1024
-WRITEBACK_EVERY = 32 * 1024 * 1024
 
 
 @dataclass
@@ -66,18 +65,15 @@ def shard_name(number: int) -> str:
 
 
 class _HashingWriter:
-    """Writes, hashes, and keeps the disk busy: every WRITEBACK_EVERY bytes, writeback of what was
-    written since starts in the background (see app.storage.writeback).
+    """Writes to a sink and hashes. The hash of a chunk runs on a helper thread while this thread
+    checks and writes the same chunk (all of them release the GIL), so a shard costs about the
+    longest of the three, not their sum."""
 
-    The hash of a chunk runs on a helper thread while this thread writes the same chunk (both
-    release the GIL), so a shard costs about the longer of the two, not their sum."""
-
-    def __init__(self, f: BinaryIO, hasher: ThreadPoolExecutor):
-        self.f = f
+    def __init__(self, sink: BufferedSink | DirectSink, hasher: ThreadPoolExecutor):
+        self.sink = sink
         self.sha = hashlib.sha256()
         self.hasher = hasher
         self.count = 0
-        self.flushed = 0
 
     def write(self, data: bytes | memoryview, check: Callable[[memoryview], bool] | None = None) -> bool:
         """Write `data` unless `check` (run while the chunk is hashed) refuses it; returns whether written."""
@@ -85,14 +81,10 @@ class _HashingWriter:
         try:
             if check is not None and not check(data):
                 return False
-            self.f.write(data)
+            self.sink.write(data)
         finally:
             hashed.result()  # in order, and `data` stays valid until both are done with it
         self.count += len(data)
-        if self.count - self.flushed >= WRITEBACK_EVERY:
-            self.f.flush()
-            start_writeback(self.f.fileno(), self.flushed, self.count - self.flushed)
-            self.flushed = self.count
         return True
 
 
@@ -148,8 +140,9 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
     }
     maps: dict[Path, mmap.mmap] = {}
     try:
-        with atomic_writer(path) as f, ThreadPoolExecutor(1, thread_name_prefix="hsx-sha256") as hasher:
-            out = _HashingWriter(f, hasher)
+        with atomic_writer(path) as f, ThreadPoolExecutor(1, thread_name_prefix="hsx-sha256") as hasher, \
+                closing(open_sink(f)) as sink:
+            out = _HashingWriter(sink, hasher)
             out.write(encode_header(entries, metadata))
             out.write(np.concatenate([s.input_ids for s in samples]).astype("<i8").tobytes())
             out.write(np.concatenate([s.loss_mask for s in samples]).astype("<i8").tobytes())
@@ -166,6 +159,7 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
                                 break
             if bad:
                 raise NonFiniteSamples(bad)
+            sink.finish()
             size, digest = out.count, out.sha.hexdigest()
     finally:
         for m in maps.values():
