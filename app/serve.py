@@ -26,7 +26,8 @@ FLAGS = {
     "database_url": (str, "sqlite:///path.db (default) or postgresql://user@host/db"),
     "host": (str, "address to listen on"),
     "port": (int, "port to listen on"),
-    "shard_max_bytes": (int, "a job's shard is written once its staged samples reach this size"),
+    "shard_max_bytes": (int, "a job's shard is written once its staged samples reach this size, and as soon "
+                              "as the job has no queued sample left"),
     "shard_max_wait_s": (float, "staged samples wait at most this long for their shard"),
     "max_attempts": (int, "attempts per sample before it is failed"),
     "dump_wait_s": (float, "how long to wait for a dump's done marker after the server replied"),

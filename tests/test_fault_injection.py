@@ -181,3 +181,21 @@ def test_server_settings_that_break_dumps_are_refused(tmp_path, flags, needle):
     finally:
         svc.stop()
         proc.stop()
+
+
+def test_staged_samples_go_to_a_shard_while_the_last_request_runs(tmp_path):
+    """Once nothing is left to claim, what is staged is written while the last request runs (0.8 s
+    here), so the job ends with only that sample left to write, in a shard of its own."""
+    proc, url = start_synthetic(tmp_path, "--prefill-us-per-token", "20000")
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=tmp_path / "dumps",
+                        extra=["--shard-max-wait-s", "600"])
+    try:
+        items = samples(4, seed=9, lengths=[40] * 4)
+        job = run_job(svc, items)
+        assert job["state"] == "succeeded"
+        assert_exact(svc, job, items)
+        manifest = load_manifest(svc.output_root / job["id"])
+        assert [sh["num_samples"] for sh in manifest["shards"]] == [3, 1]
+    finally:
+        svc.stop()
+        proc.stop()

@@ -251,7 +251,9 @@ async def create_job(
                 layer_list = check_layers([int(x) for x in layers.split(",")])
             except ValueError as exc:
                 raise InvalidInput([{"field": "layers", "message": str(exc)}]) from None
-        return await _create_from_ndjson(request, settings, limits, name, layer_list, idempotency_key)
+        out = await _create_from_ndjson(request, settings, limits, name, layer_list, idempotency_key)
+        _wake_writer(request)
+        return out
     if media != "application/json":
         raise ProblemError(415, f"send application/json or application/x-ndjson, not {media!r}")
     raw = b"".join([c async for c in _body_chunks(request, settings.max_json_bytes)])
@@ -260,8 +262,16 @@ async def create_job(
     except ValidationError as exc:
         raise InvalidInput(errors_from_pydantic(exc.errors())) from None
     digest = hashlib.sha256(b"json\0" + raw).hexdigest()
-    return await run_in_threadpool(_create_sync, request.app.state.sessions, settings, limits, body,
-                                   idempotency_key, digest)
+    out = await run_in_threadpool(_create_sync, request.app.state.sessions, settings, limits, body,
+                                  idempotency_key, digest)
+    _wake_writer(request)
+    return out
+
+
+def _wake_writer(request: Request) -> None:
+    """Committed queued samples: this process's writer starts on them now, not at its next poll."""
+    if request.app.state.writer is not None:
+        request.app.state.writer.notify_work()
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -428,14 +438,16 @@ def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOu
 
 @router.post("/{job_id}/retry", response_model=JobOut, responses=_problems(404, 409),
              summary="Queue the job's failed samples again, with a fresh attempt budget")
-def retry_job(job_id: str, session: SessionDep) -> JobOut:
+def retry_job(job_id: str, session: SessionDep, request: Request) -> JobOut:
     with session.begin():
         job = _job(session, job_id)
         if repo.retry_failed(session, job_id) is None:
             why = "it has no failed samples" if job.n_failed == 0 else f"it is {job.state}"
             raise ProblemError(409, f"job cannot be retried: {why}", type_="/problems/invalid-transition")
         session.refresh(job)
-        return job_out(job)
+        out = job_out(job)
+    _wake_writer(request)
+    return out
 
 
 @router.delete("/{job_id}", status_code=204, response_class=Response, responses=_problems(404, 409),

@@ -49,6 +49,7 @@ class Claimed:
     attempt_pk: int
     job_layers: list[int] | None
     job_model_info: dict | None
+    queued_left: int = 0  # the job's samples still queued after this claim
 
 
 # --- jobs -------------------------------------------------------------------------------
@@ -312,10 +313,10 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
     if row is None:
         return None
     now = utcnow()
-    session.execute(
+    queued_left = session.execute(
         update(Job).where(Job.id == row.job_id)
-        .values(n_queued=Job.n_queued - 1, n_running=Job.n_running + 1)
-    )
+        .values(n_queued=Job.n_queued - 1, n_running=Job.n_running + 1).returning(Job.n_queued)
+    ).scalar_one()
     session.execute(
         update(Job).where(Job.id == row.job_id, Job.state == "queued").values(state="running", started_at=now)
     )
@@ -324,7 +325,7 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
     session.flush()
     job = session.execute(select(Job.layers, Job.model_info).where(Job.id == row.job_id)).one()
     return Claimed(row.pk, row.job_id, row.idx, row.sample_id, row.input_ids, row.loss_mask, row.num_tokens,
-                   row.attempts, row.tries, attempt.pk, job.layers, job.model_info)
+                   row.attempts, row.tries, attempt.pk, job.layers, job.model_info, queued_left)
 
 
 def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str | None = None, **fields) -> None:

@@ -116,6 +116,7 @@ class Writer:
         self._room = threading.Condition(self._lock)
         self._server_lock = threading.Lock()
         self._flush_wake = threading.Event()
+        self._work = threading.Event()  # set when a job may have new queued samples
         self.slots = max(1, settings.max_in_flight)
         self.max_staged_bytes = max(2 * settings.shard_max_bytes, 64 * 1024 * 1024)
         self._started_at = repo.utcnow()
@@ -147,8 +148,15 @@ class Writer:
         for t in self._threads:
             t.start()
 
+    def notify_work(self) -> None:
+        """Queued samples may have appeared (a job created or retried in this process): idle
+        request loops look now rather than at their next poll. Other processes' jobs are found
+        by the poll."""
+        self._work.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._work.set()
         self._flush_wake.set()
         with self._room:
             self._room.notify_all()
@@ -227,8 +235,13 @@ class Writer:
         if claimed is None:
             if slot == 0:
                 self._sweep()
-            self._stop.wait(IDLE_POLL_S)
+            if self._work.wait(IDLE_POLL_S):
+                self._work.clear()
             return False
+        if claimed.queued_left == 0:
+            # Nothing left to claim: what is staged can go to its shard while the last requests
+            # run, so the job ends with only their samples left to write.
+            self._flush_wake.set()
         if claimed.job_layers is not None and self._server_layers not in (None, claimed.job_layers):
             self._refuse_job(claimed)
         else:
@@ -385,13 +398,13 @@ class Writer:
     # --- shards -------------------------------------------------------------------------------
 
     def _settle_job(self, job_id: str) -> None:
-        """After a sample's outcome: flush this writer's staged samples once nothing else can
+        """After a sample's outcome: flush this writer's staged samples once no queued sample can
         join them, then finish the job if that was the last of it."""
         job = self._db(lambda s: repo.get_job(s, job_id))
-        idle = job is not None and job.n_queued == 0 and job.n_running == 0
+        drained = job is not None and job.n_queued == 0
         with self._lock:
             has_pending = job_id in self._pending
-        if idle and has_pending:
+        if drained and has_pending:
             self._flush_wake.set()
         elif not has_pending:
             self._finish(job_id)
@@ -402,10 +415,11 @@ class Writer:
             due = list(self._pending.items())
         for job_id, pending in due:
             job = self._db(lambda s, j=job_id: repo.get_job(s, j))
-            idle = job is None or (job.n_queued == 0 and job.n_running == 0)
+            # Drained: no queued sample is left to fill a shard; only running ones, which get the next.
+            drained = job is None or job.n_queued == 0
             aged = now - pending.since >= self.settings.shard_max_wait_s
-            if idle or aged or pending.bytes >= self.settings.shard_max_bytes:
-                if self._flush(job_id, complete=idle or aged):
+            if drained or aged or pending.bytes >= self.settings.shard_max_bytes:
+                if self._flush(job_id, complete=drained or aged):
                     self._finish(job_id)
 
     def _flush(self, job_id: str, *, complete: bool) -> bool:
