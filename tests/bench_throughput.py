@@ -45,6 +45,7 @@ from pathlib import Path
 import httpx
 from safetensors.torch import load_file, save_file
 
+from app.storage.atomic import fsync_path
 from tests.support.procs import Process, free_port, hsx_command
 
 MiB = 1024 * 1024
@@ -135,10 +136,10 @@ class Bench:
                 tensors = load_file(done[0] / "hidden_states.safetensors")
                 save_file(tensors, path)
                 if durable:
-                    fsync_file(path)
+                    fsync_path(path)
         saved = time.perf_counter() - start
         for path in files:
-            fsync_file(path)
+            fsync_path(path)
         on_disk = time.perf_counter() - start
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         ref.stop()
@@ -191,14 +192,6 @@ class Bench:
         return {"run": label, "samples_s": n / wall, "tokens_s": n * self.args.tokens / wall,
                 "gb_s": n * self.bytes_per_sample / wall / 1e9, "cpu_s_per_sample": cpu / n, "peak_rss_mib": rss / MiB,
                 "wall_s": wall}
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def median_run(runs: list[tuple[dict, ...]]) -> tuple[dict, ...]:

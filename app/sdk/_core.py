@@ -15,7 +15,7 @@ import httpx
 
 from app.sdk.errors import ChecksumMismatch, HsxError, Unavailable
 from app.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
-from app.storage.atomic import atomic_writer, fsync_dir
+from app.storage.atomic import atomic_writer, fsync_path
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 USER_AGENT = "hsx-sdk/0.1"
@@ -346,7 +346,7 @@ class ShardDownload:
             self.part.unlink(missing_ok=True)  # a bad part never resumes
             raise ChecksumMismatch(self.name, self.sha256, got)
         os.replace(self.part, self.dest)
-        fsync_dir(self.dest.parent)
+        fsync_path(self.dest.parent)
         self.progress()
         return self.dest
 

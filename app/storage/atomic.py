@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder, by its path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -32,7 +33,7 @@ def atomic_writer(path: Path) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
