@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -396,3 +398,23 @@ def test_direct_and_buffered_writes_give_the_same_shard(tmp_path, monkeypatch):
     loaded = load_file(str(tmp_path / "direct" / shard_name(0)))
     assert np.array_equal(loaded["input_ids"].numpy(), np.concatenate([s.input_ids for s in samples]))
     assert loaded["layer_2"][900:2101].contiguous().view(torch.uint8).numpy().tobytes() == samples[1].layers[2]
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
+    """Some file systems take O_DIRECT at open and refuse the writes (EINVAL): the probe write finds
+    out before any of the shard is written, and the shard goes through the page cache instead."""
+    fx = Fixture(tmp_path / "src", "float32")
+    expected = write_shard(tmp_path / "a" / shard_name(0), fx.samples, LAYERS, "float32", HIDDEN)
+    real_pwrite, refused = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    info = write_shard(tmp_path / "b" / shard_name(0), fx.samples, LAYERS, "float32", HIDDEN)
+    assert refused == [0]
+    assert (tmp_path / "b" / shard_name(0)).read_bytes() == (tmp_path / "a" / shard_name(0)).read_bytes()
+    assert info.sha256 == expected.sha256

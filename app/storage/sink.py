@@ -9,7 +9,7 @@ writes need aligned buffers, offsets and lengths, so bytes gather in page-aligne
 buffer goes to the disk on a helper thread while the next one fills, and the tail is written padded
 to a whole block, then the file is cut to its true length.
 
-A file system that refuses O_DIRECT (tmpfs, some network file systems) gets the buffered sink.
+A file system that refuses O_DIRECT (at open, or at a first aligned write) gets the buffered sink.
 Either way the caller's fsync makes the file durable and reports any write error the sink did not.
 """
 
@@ -24,6 +24,7 @@ from typing import BinaryIO
 from app.storage.writeback import start_writeback
 
 BLOCK = 4096  # alignment that satisfies any device's logical block size
+REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)  # how a file system says no to direct I/O
 BUFFER_BYTES = 8 * 1024 * 1024
 WRITEBACK_EVERY = 32 * 1024 * 1024
 
@@ -72,6 +73,16 @@ class DirectSink:
         self.current = 0
         self.used = 0
         self.offset = 0  # file offset of the current buffer's first byte
+        self.refused = False
+
+    def probe(self) -> None:
+        """Write one aligned block at the start of the (new, empty) file: a file system that takes
+        O_DIRECT at open but wants another alignment says so here (EINVAL), not halfway through a
+        shard. The block is overwritten by the shard's first bytes."""
+        self.refused = True
+        with memoryview(self.buffers[0]) as view, view[:BLOCK] as block:
+            os.pwrite(self.fd, block, 0)
+        self.refused = False
 
     def write(self, data) -> None:
         with memoryview(data) as view, view.cast("B") as src:
@@ -126,8 +137,18 @@ def open_sink(f: BinaryIO) -> BufferedSink | DirectSink:
     direct = getattr(os, "O_DIRECT", 0)
     if direct:
         try:
-            return DirectSink(os.open(f.name, os.O_WRONLY | direct))
+            sink = DirectSink(os.open(f.name, os.O_WRONLY | direct))
         except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            if exc.errno not in REFUSED:
                 raise
+        else:
+            try:
+                sink.probe()
+                return sink
+            except OSError as exc:
+                if exc.errno not in REFUSED:
+                    raise
+            finally:
+                if sink.refused:
+                    sink.close()
     return BufferedSink(f)
