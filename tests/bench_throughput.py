@@ -1,6 +1,6 @@
 """Throughput benchmark: the service against the first pipeline's bare loop, side by side.
 
-    python -m tests.bench_throughput                       # defaults below, about 8 minutes
+    python -m tests.bench_throughput                       # defaults below, about 4 minutes
     python -m tests.bench_throughput --samples 60 --tokens 2000 --hidden 4096 --layers 4
 
 Runs, in one process tree on this machine, with a synthetic reference server (no model compute,
