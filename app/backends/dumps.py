@@ -188,7 +188,7 @@ def move_out(d: Path, dest: Path) -> Path:
     return dest
 
 
-def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | bytes]:
+def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | LoadedTensor]:
     layers = [int(i) for i in meta["layers"]]
     st_file = d / "hidden_states.safetensors"
     if st_file.exists():
@@ -196,7 +196,7 @@ def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | bytes]:
             index = read_index(st_file)
         except SafetensorsFormatError as exc:
             raise DumpRejected("bad_tensor_file", str(exc)) from exc
-        out: dict[int, TensorSpan | bytes] = {}
+        out: dict[int, TensorSpan | LoadedTensor] = {}
         for i in layers:
             if f"layer_{i}" not in index:
                 raise DumpRejected("missing_layer", f"layer_{i} is not in hidden_states.safetensors")
@@ -248,12 +248,17 @@ def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
             raise DumpRejected("wrong_dtype", f"layer_{i} is {actual}, meta says {dtype}")
         if tuple(src.shape) != (n, hidden):
             raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(src.shape)}, expected [{n}, {hidden}]")
-        checked[i] = src if isinstance(src, TensorSpan) else src.data
+        checked[i] = _raw(src)
     return Dump(d, meta, checked)
+
+
+def _raw(src: TensorSpan | LoadedTensor) -> TensorSpan | bytes:
+    """What the shard writer copies: a span of the dump's file, or an old dump's loaded bytes."""
+    return src if isinstance(src, TensorSpan) else src.data
 
 
 def load_staged(d: Path) -> Dump:
     """Reopen a dump that was validated and staged earlier (possibly before a restart)."""
     meta = read_meta(d)
     sources = _layer_sources(d, meta)
-    return Dump(d, meta, {i: src if isinstance(src, TensorSpan) else src.data for i, src in sources.items()})
+    return Dump(d, meta, {i: _raw(src) for i, src in sources.items()})

@@ -35,7 +35,6 @@ class FiniteCheck:
 
     def __init__(self, dtype: str):
         self.bits = FLOAT_BITS[dtype]
-        self.itemsize = np.dtype(self.bits.uint).itemsize
         self._scratch = np.empty(0, dtype=self.bits.uint)
 
     def __call__(self, buffer) -> bool:

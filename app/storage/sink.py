@@ -73,16 +73,13 @@ class DirectSink:
         self.current = 0
         self.used = 0
         self.offset = 0  # file offset of the current buffer's first byte
-        self.refused = False
 
     def probe(self) -> None:
         """Write one aligned block at the start of the (new, empty) file: a file system that takes
         O_DIRECT at open but wants another alignment says so here (EINVAL), not halfway through a
         shard. The block is overwritten by the shard's first bytes."""
-        self.refused = True
         with memoryview(self.buffers[0]) as view, view[:BLOCK] as block:
             os.pwrite(self.fd, block, 0)
-        self.refused = False
 
     def write(self, data) -> None:
         with memoryview(data) as view, view.cast("B") as src:
@@ -144,11 +141,10 @@ def open_sink(f: BinaryIO) -> BufferedSink | DirectSink:
         else:
             try:
                 sink.probe()
-                return sink
-            except OSError as exc:
-                if exc.errno not in REFUSED:
+            except BaseException as exc:
+                sink.close()
+                if not (isinstance(exc, OSError) and exc.errno in REFUSED):
                     raise
-            finally:
-                if sink.refused:
-                    sink.close()
+            else:
+                return sink
     return BufferedSink(f)
