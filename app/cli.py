@@ -11,20 +11,20 @@ import importlib
 import sys
 
 COMMANDS = [
-    "app.serve",
-    "app.reference.cli",
-    "app.demo",
-    "app.export_cli",
-    "app.verify_cli",
-    "app.commands.submit",
-    "app.commands.status",
-    "app.commands.jobs",
-    "app.commands.samples",
-    "app.commands.cancel",
-    "app.commands.retry",
-    "app.commands.delete",
-    "app.commands.manifest",
-    "app.commands.download",
+    "hsx.serve",
+    "hsx.reference.cli",
+    "hsx.demo",
+    "hsx.export_cli",
+    "hsx.verify_cli",
+    "hsx.commands.submit",
+    "hsx.commands.status",
+    "hsx.commands.jobs",
+    "hsx.commands.samples",
+    "hsx.commands.cancel",
+    "hsx.commands.retry",
+    "hsx.commands.delete",
+    "hsx.commands.manifest",
+    "hsx.commands.download",
 ]
 
 
@@ -36,8 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(name)
-        cmd = sub.add_parser(module.NAME, help=module.HELP, description=module.DESCRIPTION,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        cmd = sub.add_parser(
+            module.NAME,
+            help=module.HELP,
+            description=module.DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(cmd)
         cmd.set_defaults(handler=module.main)
     return parser

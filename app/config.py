@@ -34,11 +34,15 @@ class Settings(BaseSettings):
     max_json_bytes: int = Field(64 * 1024 * 1024, description="largest application/json request body")
     max_ndjson_bytes: int = Field(16 * 1024**3, description="largest streamed application/x-ndjson job body")
     api_tokens: str = Field(
-        "", description="comma-separated bearer tokens, each TOKEN or TOKEN:read; when set, every endpoint but "
-        "/healthz needs one, and :read tokens may only read"
+        "",
+        description="comma-separated bearer tokens, each TOKEN or TOKEN:read; when set, every endpoint but "
+        "/healthz needs one, and :read tokens may only read",
     )
-    disk_check: str = Field("refuse", description="at job creation, when the output volume lacks room for the "
-                            "job's estimated size: refuse (507), warn (recorded in the job) or off")
+    disk_check: str = Field(
+        "refuse",
+        description="at job creation, when the output volume lacks room for the "
+        "job's estimated size: refuse (507), warn (recorded in the job) or off",
+    )
     max_in_flight: int = Field(4, description="rid mode: requests kept in flight at once (counter mode: always 1)")
     run_writer: bool = Field(True, description="run the single writer for the dump root in this process")
 

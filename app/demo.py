@@ -18,19 +18,21 @@ import time
 from pathlib import Path
 
 import httpx
-
-from app.commands.common import Progress
-from app.sdk import HsxClient
+from hsx.commands.common import Progress
+from hsx.sdk import HsxClient
 
 NAME = "demo"
 HELP = "run a small job end to end on this machine (reference server + service)"
-DESCRIPTION = ("Run a small extraction job end to end on this machine: reference model server (embedded tiny "
-               "model) + service + SQLite, all on loopback. Prints progress and the manifest path.")
+DESCRIPTION = (
+    "Run a small extraction job end to end on this machine: reference model server (embedded tiny "
+    "model) + service + SQLite, all on loopback. Prints progress and the manifest path."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", default="hsx-demo", help="folder for the database, dumps, logs and output "
-                        "(default: %(default)s)")
+    parser.add_argument(
+        "--workdir", default="hsx-demo", help="folder for the database, dumps, logs and output (default: %(default)s)"
+    )
     parser.add_argument("--samples", type=int, default=24, help="number of samples (default: %(default)s)")
     parser.add_argument("--min-tokens", type=int, default=16, help="shortest sample (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256, help="longest sample (default: %(default)s)")
@@ -44,8 +46,12 @@ def _free_port() -> int:
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "app.cli", *args], stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hsx.cli", *args],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
@@ -79,9 +85,24 @@ def main(args: argparse.Namespace) -> int:
     print(f"hsx demo in {work}")
     ref_log, svc_log = work / "reference-server.log", work / "service.log"
     ref = _start(["reference-server", "--dump-root", str(dump_root), "--port", str(ref_port)], ref_log)
-    svc = _start(["serve", "--backend-url", f"http://127.0.0.1:{ref_port}", "--dump-root", str(dump_root),
-                  "--output-root", str(work / "output"), "--input-root", str(work / "input"),
-                  "--database-url", f"sqlite:///{work / 'hsx.db'}", "--port", str(svc_port)], svc_log)
+    svc = _start(
+        [
+            "serve",
+            "--backend-url",
+            f"http://127.0.0.1:{ref_port}",
+            "--dump-root",
+            str(dump_root),
+            "--output-root",
+            str(work / "output"),
+            "--input-root",
+            str(work / "input"),
+            "--database-url",
+            f"sqlite:///{work / 'hsx.db'}",
+            "--port",
+            str(svc_port),
+        ],
+        svc_log,
+    )
     try:
         _wait_ready(f"http://127.0.0.1:{ref_port}/health", ref, ref_log)
         print(f"  reference model server ready on 127.0.0.1:{ref_port} (log: {ref_log})")
@@ -89,9 +110,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"  service ready on http://127.0.0.1:{svc_port} (log: {svc_log})")
         vocab = httpx.get(f"http://127.0.0.1:{ref_port}/get_model_info").json()["vocab_size"]
         rng = random.Random(args.seed)
-        samples = [{"id": f"demo-{i}", "input_ids": [rng.randrange(vocab) for _ in
-                                                     range(rng.randint(args.min_tokens, args.max_tokens))]}
-                   for i in range(args.samples)]
+        samples = [
+            {
+                "id": f"demo-{i}",
+                "input_ids": [rng.randrange(vocab) for _ in range(rng.randint(args.min_tokens, args.max_tokens))],
+            }
+            for i in range(args.samples)
+        ]
         with HsxClient(f"http://127.0.0.1:{svc_port}") as client:
             job = client.create_job(samples=samples, name="demo")
             print(f"  submitted {job.id}: {job.counts.total} samples, {job.tokens.total} tokens")
@@ -105,8 +130,9 @@ def main(args: argparse.Namespace) -> int:
         for shard in manifest.shards:
             digest = hashlib.sha256((job_dir / shard.name).read_bytes()).hexdigest()
             status = "sha256 ok" if digest == shard.sha256 else "SHA256 MISMATCH"
-            print(f"  {shard.name}: {shard.num_samples} samples, {shard.num_tokens} tokens, "
-                  f"{shard.bytes} bytes, {status}")
+            print(
+                f"  {shard.name}: {shard.num_samples} samples, {shard.num_tokens} tokens, {shard.bytes} bytes, {status}"
+            )
         print(f"  job {job.state}: layers {manifest.layers}, hidden {manifest.hidden_size}, {manifest.dtype}")
         print(f"manifest: {job_dir / 'manifest.json'}")
         return 0 if job.state == "succeeded" else 1

@@ -34,10 +34,20 @@ def _layer_list(text: str) -> list[int]:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="the job folder, or its manifest.json")
     p.add_argument("out_dir", help="output folder (created; must be empty or hold an earlier run of this export)")
-    p.add_argument("--num-layers", type=int, default=None, metavar="L",
-                   help="the model's number of decoder layers, when the manifest lacks model.num_hidden_layers")
-    p.add_argument("--aux-layers", type=_layer_list, default=None, metavar="I,J,K",
-                   help="aux layers in hsx numbering (default: the target's EAGLE-3 convention, [2, L//2, L-3])")
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        metavar="L",
+        help="the model's number of decoder layers, when the manifest lacks model.num_hidden_layers",
+    )
+    p.add_argument(
+        "--aux-layers",
+        type=_layer_list,
+        default=None,
+        metavar="I,J,K",
+        help="aux layers in hsx numbering (default: the target's EAGLE-3 convention, [2, L//2, L-3])",
+    )
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
 
 
@@ -45,17 +55,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
     p = sub.add_parser("specforge", help="SpecForge offline EAGLE-3 (OfflineEagle3Dataset)")
     _common(p)
-    p.add_argument("--group-size", type=int, default=2000, help="files per rows_<a>-<b> folder (default: 2000, "
-                   "as SpecForge's --file-group-size)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=2000,
+        help="files per rows_<a>-<b> folder (default: 2000, as SpecForge's --file-group-size)",
+    )
     p = sub.add_parser("speculators", help="vLLM speculators (hs_<i>.safetensors)")
     _common(p)
-    p.add_argument("--final-norm-weight", default=None, metavar="CHECKPOINT",
-                   help="the target model's checkpoint folder (or a .safetensors file) holding its final norm "
-                        "weight; needed because speculators stores the last layer before the final norm")
-    p.add_argument("--final-norm-key", default=None, help="tensor name of the final norm weight "
-                   "(default: model.norm.weight and common variants)")
-    p.add_argument("--final-norm-offset", type=float, default=0.0,
-                   help="the norm scales by weight + OFFSET (1 for Gemma-style norms; default 0)")
+    p.add_argument(
+        "--final-norm-weight",
+        default=None,
+        metavar="CHECKPOINT",
+        help="the target model's checkpoint folder (or a .safetensors file) holding its final norm "
+        "weight; needed because speculators stores the last layer before the final norm",
+    )
+    p.add_argument(
+        "--final-norm-key",
+        default=None,
+        help="tensor name of the final norm weight (default: model.norm.weight and common variants)",
+    )
+    p.add_argument(
+        "--final-norm-offset",
+        type=float,
+        default=0.0,
+        help="the norm scales by weight + OFFSET (1 for Gemma-style norms; default 0)",
+    )
     p = sub.add_parser("modelopt", help="NVIDIA Model Optimizer offline EAGLE (OfflineSupervisedDataset)")
     _common(p)
 
@@ -65,14 +90,17 @@ def _options(args: argparse.Namespace) -> dict:
     if args.target == "specforge":
         options["group_size"] = args.group_size
     elif args.target == "speculators":
-        options.update(final_norm_weight=args.final_norm_weight, final_norm_key=args.final_norm_key,
-                       final_norm_offset=args.final_norm_offset)
+        options.update(
+            final_norm_weight=args.final_norm_weight,
+            final_norm_key=args.final_norm_key,
+            final_norm_offset=args.final_norm_offset,
+        )
     return options
 
 
 def main(args: argparse.Namespace) -> int:
-    from app.exports import export_job
-    from app.exports.base import ExportRefused
+    from hsx.exports import export_job
+    from hsx.exports.base import ExportRefused
 
     last = [-1.0]
 
@@ -83,8 +111,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"\r  {done}/{total} files", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
     try:
-        result = export_job(args.target, args.source, args.out_dir, progress=None if args.quiet else progress,
-                            **_options(args))
+        result = export_job(
+            args.target, args.source, args.out_dir, progress=None if args.quiet else progress, **_options(args)
+        )
     except ExportRefused as exc:
         print(f"hsx export {args.target}: refused: {exc}", file=sys.stderr)
         return 1
@@ -92,8 +121,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"hsx export {args.target}: error: {exc}", file=sys.stderr)
         return 1
     if not args.quiet:
-        print(f"{args.target} export in {result.out_dir}: {result.written} files written, "
-              f"{result.skipped} already complete, {result.total} in all")
+        print(
+            f"{args.target} export in {result.out_dir}: {result.written} files written, "
+            f"{result.skipped} already complete, {result.total} in all"
+        )
         for note in result.notes:
             print(f"  {note}")
     return 0

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hsx.db import repository as repo
+from hsx.db.models import JobRow
+from hsx.storage.atomic import write_json_atomic
+from hsx.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from sqlalchemy.orm import Session
-
-from app.db import repository as repo
-from app.db.models import Job
-from app.storage.atomic import write_json_atomic
-from app.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 
 
 def job_dir(output_root: Path, job_id: str) -> Path:
     return Path(output_root) / job_id
 
 
-def manifest_document(session: Session, job: Job, state: str | None = None) -> dict:
+def manifest_document(session: Session, job: JobRow, state: str | None = None) -> dict:
     info = job.model_info or {}
     return {
         "format": MANIFEST_FORMAT,
@@ -36,8 +35,13 @@ def manifest_document(session: Session, job: Job, state: str | None = None) -> d
         "num_samples": job.num_samples,
         "num_stored": job.n_succeeded,
         "shards": [
-            {"name": s.name, "bytes": s.bytes, "sha256": s.sha256, "num_samples": s.num_samples,
-             "num_tokens": s.num_tokens}
+            {
+                "name": s.name,
+                "bytes": s.bytes,
+                "sha256": s.sha256,
+                "num_samples": s.num_samples,
+                "num_tokens": s.num_tokens,
+            }
             for s in repo.job_shards(session, job.id)
         ],
         "samples": [

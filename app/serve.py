@@ -7,8 +7,7 @@ import logging
 import sys
 
 import uvicorn
-
-from app.config import Settings
+from hsx.config import Settings
 
 NAME = "serve"
 HELP = "run the extraction service (API + dump-root writer)"
@@ -26,8 +25,11 @@ FLAGS = {
     "database_url": (str, "sqlite:///path.db (default) or postgresql://user@host/db"),
     "host": (str, "address to listen on"),
     "port": (int, "port to listen on"),
-    "shard_max_bytes": (int, "a job's shard is written once its staged samples reach this size, and as soon "
-                              "as the job has no queued sample left"),
+    "shard_max_bytes": (
+        int,
+        "a job's shard is written once its staged samples reach this size, and as soon "
+        "as the job has no queued sample left",
+    ),
     "shard_max_wait_s": (float, "staged samples wait at most this long for their shard"),
     "max_attempts": (int, "attempts per sample before it is failed"),
     "dump_wait_s": (float, "how long to wait for a dump's done marker after the server replied"),
@@ -45,10 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Settings.model_fields
     for name, (kind, text) in FLAGS.items():
         default = defaults[name].default
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
-                            help=f"{text} (env HSX_{name.upper()}; default {default})")
-    parser.add_argument("--no-writer", action="store_true",
-                        help="serve the API only; another process runs the writer for the dump root")
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=None,
+            help=f"{text} (env HSX_{name.upper()}; default {default})",
+        )
+    parser.add_argument(
+        "--no-writer", action="store_true", help="serve the API only; another process runs the writer for the dump root"
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -60,10 +67,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def main(args: argparse.Namespace) -> int:
-    from app.api.app import create_app
-    from app.backends.dumps import DumpRootBusy
-    from app.db.engine import make_engine, session_factory
-    from app.scheduler.writer import Writer
+    from hsx.api.app import create_app
+    from hsx.backends.dumps import DumpRootBusy
+    from hsx.db.engine import make_engine, session_factory
+    from hsx.scheduler.writer import Writer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)

@@ -27,11 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from hsx.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from hsx.storage.safetensors_raw import CODE_BY_NAME, SafetensorsFormatError, read_index
+from hsx.training.reader import TORCH_DTYPES
 from safetensors import safe_open
-
-from app.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
-from app.storage.safetensors_raw import CODE_BY_NAME, SafetensorsFormatError, read_index
-from app.training.reader import TORCH_DTYPES
 
 HASH_CHUNK = 8 * 1024 * 1024
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -119,8 +118,9 @@ def _check_manifest(m: object, faults: _Faults) -> bool:
     if m.get("format") != MANIFEST_FORMAT:
         problems.append(f"format is {m.get('format')!r}, expected {MANIFEST_FORMAT!r}")
     layers = m.get("layers")
-    if not (isinstance(layers, list) and layers and all(_is_int(i) for i in layers)
-            and len(set(layers)) == len(layers)):
+    if not (
+        isinstance(layers, list) and layers and all(_is_int(i) for i in layers) and len(set(layers)) == len(layers)
+    ):
         problems.append(f"layers {layers!r} is not a list of distinct layer numbers")
     if not _is_int(m.get("hidden_size"), 1):
         problems.append(f"hidden_size {m.get('hidden_size')!r} is not a positive integer")
@@ -176,15 +176,18 @@ def _shard_metadata(path: Path, name: str, placed: list[dict], faults: _Faults) 
     in_shard = dict(zip(ids, offsets))
     for s in placed:
         if in_shard.get(s["id"]) != s["offset"]:
-            faults.sample(str(s["id"]), name, "metadata_mismatch",
-                          f"the manifest places it at offset {s['offset']}, the shard's metadata at "
-                          f"{in_shard.get(s['id'])}")
+            faults.sample(
+                str(s["id"]),
+                name,
+                "metadata_mismatch",
+                f"the manifest places it at offset {s['offset']}, the shard's metadata at {in_shard.get(s['id'])}",
+            )
 
 
 def _check_rows(handle, name: str, s: dict, m: dict, vocab: int | None, chunk_rows: int, faults: _Faults) -> None:
     sid, start, n = str(s["id"]), s["offset"], s["num_tokens"]
     for key in ("input_ids", "loss_mask"):
-        t = handle.get_slice(key)[start:start + n]
+        t = handle.get_slice(key)[start : start + n]
         if tuple(t.shape) != (n,) or t.dtype != torch.int64:
             faults.sample(sid, name, "sample_shape", f"{key} rows are {t.dtype} {list(t.shape)}, expected int64 [{n}]")
             continue
@@ -192,8 +195,12 @@ def _check_rows(handle, name: str, s: dict, m: dict, vocab: int | None, chunk_ro
             bad = (t < 0) if vocab is None else ((t < 0) | (t >= vocab))
             if bool(bad.any()):
                 row = int(bad.nonzero()[0, 0])
-                faults.sample(sid, name, "bad_token_id", f"input_ids[{row}] = {int(t[row])} is outside "
-                              f"[0, {vocab if vocab is not None else 'inf'})")
+                faults.sample(
+                    sid,
+                    name,
+                    "bad_token_id",
+                    f"input_ids[{row}] = {int(t[row])} is outside [0, {vocab if vocab is not None else 'inf'})",
+                )
         elif bool(((t != 0) & (t != 1)).any()):
             faults.sample(sid, name, "bad_loss_mask", "loss_mask holds values other than 0 and 1")
     dtype = TORCH_DTYPES[m["dtype"]]
@@ -201,22 +208,37 @@ def _check_rows(handle, name: str, s: dict, m: dict, vocab: int | None, chunk_ro
         sl = handle.get_slice(f"layer_{layer}")
         for lo in range(0, n, chunk_rows):
             rows = min(chunk_rows, n - lo)
-            t = sl[start + lo:start + lo + rows]
+            t = sl[start + lo : start + lo + rows]
             if tuple(t.shape) != (rows, m["hidden_size"]) or t.dtype != dtype:
-                faults.sample(sid, name, "sample_shape", f"layer_{layer} rows are {t.dtype} {list(t.shape)}, "
-                              f"expected {m['dtype']} [{rows}, {m['hidden_size']}]")
+                faults.sample(
+                    sid,
+                    name,
+                    "sample_shape",
+                    f"layer_{layer} rows are {t.dtype} {list(t.shape)}, "
+                    f"expected {m['dtype']} [{rows}, {m['hidden_size']}]",
+                )
                 break
             finite = torch.isfinite(t)
             if not bool(finite.all()):
                 bad_rows = (~finite).any(dim=1).nonzero()[:, 0]
                 nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-                faults.sample(sid, name, "non_finite", f"layer_{layer} has {nan} NaN and {inf} inf values, first in "
-                              f"token {lo + int(bad_rows[0])}")
+                faults.sample(
+                    sid,
+                    name,
+                    "non_finite",
+                    f"layer_{layer} has {nan} NaN and {inf} inf values, first in token {lo + int(bad_rows[0])}",
+                )
                 break
 
 
-def verify_job(job_dir: Path, *, check_hashes: bool = True, check_values: bool = True, chunk_rows: int = 4096,
-               max_faults: int = 1000) -> VerifyReport:
+def verify_job(
+    job_dir: Path,
+    *,
+    check_hashes: bool = True,
+    check_values: bool = True,
+    chunk_rows: int = 4096,
+    max_faults: int = 1000,
+) -> VerifyReport:
     """Check the job folder (or its manifest.json) against its manifest; see the module docstring."""
     job_dir = Path(job_dir)
     manifest_path = job_dir / MANIFEST_NAME
@@ -224,8 +246,17 @@ def verify_job(job_dir: Path, *, check_hashes: bool = True, check_values: bool =
         job_dir, manifest_path = job_dir.parent, job_dir
     report = VerifyReport(str(job_dir))
     faults = _Faults(report, max_faults)
-    summary = {"shards": 0, "shards_ok": 0, "samples": 0, "samples_ok": 0, "samples_read": 0, "tokens": 0,
-               "bytes": 0, "checked_hashes": check_hashes, "checked_values": check_values}
+    summary = {
+        "shards": 0,
+        "shards_ok": 0,
+        "samples": 0,
+        "samples_ok": 0,
+        "samples_read": 0,
+        "tokens": 0,
+        "bytes": 0,
+        "checked_hashes": check_hashes,
+        "checked_values": check_values,
+    }
     report.summary = summary
     try:
         m = json.loads(manifest_path.read_text())
@@ -243,13 +274,15 @@ def verify_job(job_dir: Path, *, check_hashes: bool = True, check_values: bool =
     summary["faults_listed"] = len(report.job_faults) + len(report.shard_faults) + len(report.sample_faults)
     summary["shards_ok"] = summary["shards"] - len(faults.bad_shards)
     # a sample is ok when nothing is wrong with it nor with the shard it lives in
-    summary["samples_ok"] = sum(1 for sid, shard in placement.items()
-                                if sid not in faults.bad_samples and shard not in faults.bad_shards)
+    summary["samples_ok"] = sum(
+        1 for sid, shard in placement.items() if sid not in faults.bad_samples and shard not in faults.bad_shards
+    )
     return report
 
 
-def _verify_contents(job_dir: Path, m: dict, faults: _Faults, summary: dict, check_hashes: bool,
-                     check_values: bool, chunk_rows: int) -> dict[str, str | None]:
+def _verify_contents(
+    job_dir: Path, m: dict, faults: _Faults, summary: dict, check_hashes: bool, check_values: bool, chunk_rows: int
+) -> dict[str, str | None]:
     """Check shards and samples; return each sample id's shard (for counting the sound ones)."""
     shards: dict[str, dict] = {}
     readable: set[str] = set()
@@ -300,18 +333,30 @@ def _verify_contents(job_dir: Path, m: dict, faults: _Faults, summary: dict, che
             continue
         seen.add(sid)
         if not isinstance(shard, str) or shard not in shards:
-            faults.sample(label, shard if isinstance(shard, str) else None, "unknown_shard",
-                          f"its shard {shard!r} is not among the manifest's shards")
+            faults.sample(
+                label,
+                shard if isinstance(shard, str) else None,
+                "unknown_shard",
+                f"its shard {shard!r} is not among the manifest's shards",
+            )
             continue
         if not (_is_int(s.get("offset")) and _is_int(s.get("num_tokens"), 1)):
-            faults.sample(label, shard, "manifest_invalid",
-                          f"offset {s.get('offset')!r} / num_tokens {s.get('num_tokens')!r} are not valid")
+            faults.sample(
+                label,
+                shard,
+                "manifest_invalid",
+                f"offset {s.get('offset')!r} / num_tokens {s.get('num_tokens')!r} are not valid",
+            )
             continue
         summary["tokens"] += s["num_tokens"]
         total = shards[shard]["num_tokens"]
         if _is_int(total) and s["offset"] + s["num_tokens"] > total:
-            faults.sample(label, shard, "out_of_range", f"rows {s['offset']}..{s['offset'] + s['num_tokens']} "
-                          f"end past the shard's {total} rows")
+            faults.sample(
+                label,
+                shard,
+                "out_of_range",
+                f"rows {s['offset']}..{s['offset'] + s['num_tokens']} end past the shard's {total} rows",
+            )
             continue
         by_shard.setdefault(shard, []).append(s)
 
@@ -319,17 +364,26 @@ def _verify_contents(job_dir: Path, m: dict, faults: _Faults, summary: dict, che
         placed.sort(key=lambda s: (s["offset"], s["num_tokens"]))
         for a, b in zip(placed, placed[1:]):
             if b["offset"] < a["offset"] + a["num_tokens"]:
-                faults.sample(str(b["id"]), name, "overlap", f"rows {b['offset']}..{b['offset'] + b['num_tokens']} "
-                              f"overlap sample {a['id']!r} ({a['offset']}..{a['offset'] + a['num_tokens']})")
+                faults.sample(
+                    str(b["id"]),
+                    name,
+                    "overlap",
+                    f"rows {b['offset']}..{b['offset'] + b['num_tokens']} "
+                    f"overlap sample {a['id']!r} ({a['offset']}..{a['offset'] + a['num_tokens']})",
+                )
     for name, entry in shards.items():
         placed = by_shard.get(name, [])
         n_tokens = sum(s["num_tokens"] for s in placed)
         if _is_int(entry.get("num_samples")) and len(placed) != entry["num_samples"]:
-            faults.shard(name, "count_mismatch", f"the manifest places {len(placed)} samples in it, its entry "
-                         f"records {entry['num_samples']}")
+            faults.shard(
+                name,
+                "count_mismatch",
+                f"the manifest places {len(placed)} samples in it, its entry records {entry['num_samples']}",
+            )
         if _is_int(entry.get("num_tokens")) and n_tokens != entry["num_tokens"]:
-            faults.shard(name, "count_mismatch", f"its samples cover {n_tokens} rows, its entry records "
-                         f"{entry['num_tokens']}")
+            faults.shard(
+                name, "count_mismatch", f"its samples cover {n_tokens} rows, its entry records {entry['num_tokens']}"
+            )
     if _is_int(m.get("num_stored")) and m["num_stored"] != len(samples):
         faults.job("count_mismatch", f"num_stored is {m['num_stored']} but {len(samples)} samples are listed")
 
@@ -362,16 +416,19 @@ def _warn_unlisted(job_dir: Path, listed: set[str], report: VerifyReport) -> Non
 
 def summary_lines(report: VerifyReport) -> list[str]:
     s = report.summary
-    lines = [f"{report.job_dir}: {'OK' if report.ok else 'FAULTY'}",
-             f"  shards {s.get('shards_ok', 0)}/{s.get('shards', 0)} ok, samples {s.get('samples_ok', 0)}/"
-             f"{s.get('samples', 0)} ok ({s.get('samples_read', 0)} read), {s.get('tokens', 0)} tokens, "
-             f"{_size(s.get('bytes', 0))}"]
+    lines = [
+        f"{report.job_dir}: {'OK' if report.ok else 'FAULTY'}",
+        f"  shards {s.get('shards_ok', 0)}/{s.get('shards', 0)} ok, samples {s.get('samples_ok', 0)}/"
+        f"{s.get('samples', 0)} ok ({s.get('samples_read', 0)} read), {s.get('tokens', 0)} tokens, "
+        f"{_size(s.get('bytes', 0))}",
+    ]
     if s.get("faults"):
         kinds = ", ".join(f"{k} {v}" for k, v in s["faults_by_kind"].items())
         lines.append(f"  {s['faults']} faults: {kinds}")
     for f in report.job_faults + report.shard_faults + report.sample_faults:
-        where = " ".join(x for x in (f"shard {f.shard}" if f.shard else "", f"sample {f.sample!r}" if f.sample
-                                     else "") if x)
+        where = " ".join(
+            x for x in (f"shard {f.shard}" if f.shard else "", f"sample {f.sample!r}" if f.sample else "") if x
+        )
         lines.append(f"  - {f.kind}{' (' + where + ')' if where else ''}: {f.message}")
     if s.get("faults", 0) > s.get("faults_listed", 0):
         lines.append(f"  ... {s['faults'] - s['faults_listed']} more faults not listed")
@@ -383,4 +440,4 @@ def _size(n: int) -> str:
     if n < 1024:
         return f"{n} B"
     e = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024 ** e:.1f} {'BKMGT'[e]}iB"
+    return f"{n / 1024**e:.1f} {'BKMGT'[e]}iB"

@@ -21,15 +21,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-hash", action="store_true", help="skip the sha256 of each shard")
     parser.add_argument("--no-values", action="store_true", help="skip reading sample rows (shapes, finite values)")
-    parser.add_argument("--max-faults", type=int, default=1000, help="list at most this many faults "
-                        "(all are counted; default: %(default)s)")
+    parser.add_argument(
+        "--max-faults",
+        type=int,
+        default=1000,
+        help="list at most this many faults (all are counted; default: %(default)s)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    from app.verify import summary_lines, verify_job
+    from hsx.verify import summary_lines, verify_job
 
-    report = verify_job(args.source, check_hashes=not args.no_hash, check_values=not args.no_values,
-                        max_faults=args.max_faults)
+    report = verify_job(
+        args.source, check_hashes=not args.no_hash, check_values=not args.no_values, max_faults=args.max_faults
+    )
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=1)
         print()

@@ -35,19 +35,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", default=None, help="default: a SQLite file in a temporary folder")
     parser.add_argument("--requests", type=int, default=500, help="GETs timed while the job runs")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="hsx-scale-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="hsx-scale-", dir="/dev/shm") as shm:
+    with (
+        tempfile.TemporaryDirectory(prefix="hsx-scale-") as tmp,
+        tempfile.TemporaryDirectory(prefix="hsx-scale-", dir="/dev/shm") as shm,
+    ):
         work = Path(tmp)
         ref_port, svc_port = free_port(), free_port()
-        ref = Process(hsx_command() + ["reference-server", "--synthetic", "--hidden-size", "64", "--num-layers", "8",
-                                       "--vocab-size", "32000", "--dump-root", f"{shm}/dumps", "--port", str(ref_port)],
-                      work / "reference.log")
+        ref = Process(
+            hsx_command()
+            + [
+                "reference-server",
+                "--synthetic",
+                "--hidden-size",
+                "64",
+                "--num-layers",
+                "8",
+                "--vocab-size",
+                "32000",
+                "--dump-root",
+                f"{shm}/dumps",
+                "--port",
+                str(ref_port),
+            ],
+            work / "reference.log",
+        )
         ref.wait_http(f"http://127.0.0.1:{ref_port}/health")
         url = args.database_url or f"sqlite:///{work / 'scale.db'}"
-        svc = Process(hsx_command() + ["serve", "--backend-url", f"http://127.0.0.1:{ref_port}", "--dump-root",
-                                       f"{shm}/dumps", "--output-root", str(work / "out"), "--input-root", str(work),
-                                       "--database-url", url, "--port", str(svc_port), "--log-level", "warning"],
-                      work / "service.log")
+        svc = Process(
+            hsx_command()
+            + [
+                "serve",
+                "--backend-url",
+                f"http://127.0.0.1:{ref_port}",
+                "--dump-root",
+                f"{shm}/dumps",
+                "--output-root",
+                str(work / "out"),
+                "--input-root",
+                str(work),
+                "--database-url",
+                url,
+                "--port",
+                str(svc_port),
+                "--log-level",
+                "warning",
+            ],
+            work / "service.log",
+        )
         base = f"http://127.0.0.1:{svc_port}"
         svc.wait_http(base + "/healthz")
         rng = random.Random(0)
@@ -84,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     times.sort()
     print(f"{args.samples:,} samples of {args.tokens} tokens on {url.split(':')[0]}")
     print(f"  create (streamed NDJSON):   {created:.1f} s ({args.samples / created:,.0f} samples/s)")
-    print(f"  GET /v1/jobs/{{id}} running: p50 {statistics.median(times) * 1000:.1f} ms, "
-          f"p99 {times[int(len(times) * 0.99) - 1] * 1000:.1f} ms over {len(times)} requests "
-          f"({done:,} samples extracted meanwhile)")
-    print(f"  GET .../samples page of 100: p50 {statistics.median(pages) * 1000:.1f} ms, "
-          f"max {max(pages) * 1000:.1f} ms")
+    print(
+        f"  GET /v1/jobs/{{id}} running: p50 {statistics.median(times) * 1000:.1f} ms, "
+        f"p99 {times[int(len(times) * 0.99) - 1] * 1000:.1f} ms over {len(times)} requests "
+        f"({done:,} samples extracted meanwhile)"
+    )
+    print(
+        f"  GET .../samples page of 100: p50 {statistics.median(pages) * 1000:.1f} ms, max {max(pages) * 1000:.1f} ms"
+    )
     print(f"  POST .../cancel:            {cancel_s * 1000:.0f} ms ({cancelled:,} queued samples cancelled)")
     print(f"  service peak RSS:           {rss / MiB:.0f} MiB")
     return 0

@@ -43,9 +43,9 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+from hsx.storage.atomic import fsync_path
 from safetensors.torch import load_file, save_file
 
-from app.storage.atomic import fsync_path
 from tests.support.procs import Process, free_port, hsx_command
 
 MiB = 1024 * 1024
@@ -96,17 +96,33 @@ class Bench:
         self.work = work
         self.shm = shm
         rng = random.Random(0)
-        self.samples = [{"id": f"b{i}", "input_ids": [rng.randrange(32000) for _ in range(args.tokens)]}
-                        for i in range(args.samples)]
+        self.samples = [
+            {"id": f"b{i}", "input_ids": [rng.randrange(32000) for _ in range(args.tokens)]}
+            for i in range(args.samples)
+        ]
         self.bytes_per_sample = args.tokens * args.layers * args.hidden * 2
 
     def server(self, name: str, prefill_us: float, rid: bool) -> tuple[Process, str, Path]:
         port = free_port()
         root = self.shm / f"{name}-dumps"
         layers = ",".join(str(i) for i in [2, 16, 29, 32][: self.args.layers])
-        args = hsx_command() + ["reference-server", "--synthetic", "--hidden-size", str(self.args.hidden),
-                                "--num-layers", "32", "--layers", layers, "--dump-root", str(root), "--port", str(port),
-                                "--prefill-us-per-token", str(prefill_us), "--skip-server-warmup"]
+        args = hsx_command() + [
+            "reference-server",
+            "--synthetic",
+            "--hidden-size",
+            str(self.args.hidden),
+            "--num-layers",
+            "32",
+            "--layers",
+            layers,
+            "--dump-root",
+            str(root),
+            "--port",
+            str(port),
+            "--prefill-us-per-token",
+            str(prefill_us),
+            "--skip-server-warmup",
+        ]
         if rid:
             args += ["--name-by", "rid", "--max-batch", str(self.args.in_flight)]
         proc = Process(args, self.work / f"{name}-reference.log")
@@ -147,17 +163,34 @@ class Bench:
         cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         if durable:
             return (self._figures("bare loop, fsync each file", on_disk, cpu, r1.ru_maxrss * 1024),)
-        return (self._figures("bare loop, in page cache", saved, cpu, r1.ru_maxrss * 1024),
-                self._figures("bare loop, until on disk", on_disk, cpu, r1.ru_maxrss * 1024))
+        return (
+            self._figures("bare loop, in page cache", saved, cpu, r1.ru_maxrss * 1024),
+            self._figures("bare loop, until on disk", on_disk, cpu, r1.ru_maxrss * 1024),
+        )
 
     def service(self, name: str, prefill_us: float, rid: bool) -> dict:
         ref, url, root = self.server(name, prefill_us, rid=rid)
         port = free_port()
         out = self.work / f"{name}-out"
-        args = hsx_command() + ["serve", "--backend-url", url, "--dump-root", str(root), "--output-root", str(out),
-                                "--input-root", str(self.work), "--database-url", self.database_url(name),
-                                "--port", str(port), "--max-in-flight", str(self.args.in_flight),
-                                "--log-level", "warning"]
+        args = hsx_command() + [
+            "serve",
+            "--backend-url",
+            url,
+            "--dump-root",
+            str(root),
+            "--output-root",
+            str(out),
+            "--input-root",
+            str(self.work),
+            "--database-url",
+            self.database_url(name),
+            "--port",
+            str(port),
+            "--max-in-flight",
+            str(self.args.in_flight),
+            "--log-level",
+            "warning",
+        ]
         svc = Process(args, self.work / f"{name}-service.log")
         svc_url = f"http://127.0.0.1:{port}"
         svc.wait_http(svc_url + "/healthz")
@@ -189,9 +222,15 @@ class Bench:
 
     def _figures(self, label: str, wall: float, cpu: float, rss: int) -> dict:
         n = len(self.samples)
-        return {"run": label, "samples_s": n / wall, "tokens_s": n * self.args.tokens / wall,
-                "gb_s": n * self.bytes_per_sample / wall / 1e9, "cpu_s_per_sample": cpu / n, "peak_rss_mib": rss / MiB,
-                "wall_s": wall}
+        return {
+            "run": label,
+            "samples_s": n / wall,
+            "tokens_s": n * self.args.tokens / wall,
+            "gb_s": n * self.bytes_per_sample / wall / 1e9,
+            "cpu_s_per_sample": cpu / n,
+            "peak_rss_mib": rss / MiB,
+            "wall_s": wall,
+        }
 
 
 def median_run(runs: list[tuple[dict, ...]]) -> tuple[dict, ...]:
@@ -207,25 +246,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1, help="runs per row; the median is reported")
-    parser.add_argument("--database-on", choices=["disk", "shm"], default="disk",
-                        help="where the service's SQLite file lives: on the output disk, or in /dev/shm (as a "
-                             "database on other storage would be)")
+    parser.add_argument(
+        "--database-on",
+        choices=["disk", "shm"],
+        default="disk",
+        help="where the service's SQLite file lives: on the output disk, or in /dev/shm (as a "
+        "database on other storage would be)",
+    )
     parser.add_argument("--output-dir", default=".", help="a folder on the disk to measure (default: here)")
-    parser.add_argument("--prefill-us-per-token", type=float, default=None,
-                        help="simulated prefill time for the 'comparable' runs (default: the bare loop's time "
-                             "per sample with an instant server)")
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=None,
+        help="simulated prefill time for the 'comparable' runs (default: the bare loop's time "
+        "per sample with an instant server)",
+    )
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="hsx-bench-", dir=args.output_dir) as tmp, \
-            tempfile.TemporaryDirectory(prefix="hsx-bench-", dir="/dev/shm") as shm:
+    with (
+        tempfile.TemporaryDirectory(prefix="hsx-bench-", dir=args.output_dir) as tmp,
+        tempfile.TemporaryDirectory(prefix="hsx-bench-", dir="/dev/shm") as shm,
+    ):
         work = Path(tmp)
         bench = Bench(args, work, Path(shm))
         volume = bench.bytes_per_sample * args.samples
         disks = [disk_write_rate(work, volume)]
-        print(f"machine: {os.cpu_count()} cores; sample: {args.tokens} tokens x {args.layers} layers x hidden "
-              f"{args.hidden} bf16 = {bench.bytes_per_sample / MiB:.1f} MiB; {args.samples} samples per run, "
-              f"each row the median of {args.repeat} run(s)")
-        print(f"disk: sequential write {disks[0] / 1e9:.2f} GB/s ({volume / 1e9:.1f} GB in 8 MiB writes + fsync, "
-              f"the better of buffered and O_DIRECT)")
+        print(
+            f"machine: {os.cpu_count()} cores; sample: {args.tokens} tokens x {args.layers} layers x hidden "
+            f"{args.hidden} bf16 = {bench.bytes_per_sample / MiB:.1f} MiB; {args.samples} samples per run, "
+            f"each row the median of {args.repeat} run(s)"
+        )
+        print(
+            f"disk: sequential write {disks[0] / 1e9:.2f} GB/s ({volume / 1e9:.1f} GB in 8 MiB writes + fsync, "
+            f"the better of buffered and O_DIRECT)"
+        )
         rows = []
         prefill_us = args.prefill_us_per_token
         for scenario, times in (("instant server", 0), ("prefill ~ persist", 1), ("prefill ~ 4x persist", 4)):
@@ -233,11 +286,17 @@ def main(argv: list[str] | None = None) -> int:
                 # What persisting costs the first pipeline: its time per sample with an instant server.
                 bare = next(r for r in rows if r["run"] == "bare loop, until on disk")
                 prefill_us = bare["wall_s"] / args.samples / args.tokens * 1e6
-                print(f"'comparable' prefill = the bare loop's time per sample with an instant server: "
-                      f"{prefill_us:.1f} us/token ({prefill_us * args.tokens / 1000:.0f} ms per sample)")
+                print(
+                    f"'comparable' prefill = the bare loop's time per sample with an instant server: "
+                    f"{prefill_us:.1f} us/token ({prefill_us * args.tokens / 1000:.0f} ms per sample)"
+                )
             us = times * (prefill_us or 0.0)
-            runs = [partial(bench.bare, us), partial(bench.bare, us, durable=True),
-                    partial(bench.service, "serial", us, rid=False), partial(bench.service, "rid", us, rid=True)]
+            runs = [
+                partial(bench.bare, us),
+                partial(bench.bare, us, durable=True),
+                partial(bench.service, "serial", us, rid=False),
+                partial(bench.service, "rid", us, rid=True),
+            ]
             got = [r for run in runs for r in median_run([run() for _ in range(args.repeat)])]
             bare = next(r for r in got if r["run"] == "bare loop, until on disk")
             serial = next(r for r in got if r["run"].startswith("service, clear"))
@@ -250,14 +309,20 @@ def main(argv: list[str] | None = None) -> int:
         disk = statistics.median(disks)
         for r in rows:
             r["vs_disk"] = r["gb_s"] * 1e9 / disk
-        print(f"disk, measured after each scenario too: median {disk / 1e9:.2f} GB/s "
-              f"(range {min(disks) / 1e9:.2f}-{max(disks) / 1e9:.2f}); 'of disk' below is against the median")
-        print(f"{'scenario':<21}{'run':<36}{'samples/s':>10}{'tokens/s':>11}{'GB/s':>7}{'CPU s/smp':>10}"
-              f"{'RSS MiB':>9}{'x bare':>8}{'x serial':>9}{'of disk':>8}")
+        print(
+            f"disk, measured after each scenario too: median {disk / 1e9:.2f} GB/s "
+            f"(range {min(disks) / 1e9:.2f}-{max(disks) / 1e9:.2f}); 'of disk' below is against the median"
+        )
+        print(
+            f"{'scenario':<21}{'run':<36}{'samples/s':>10}{'tokens/s':>11}{'GB/s':>7}{'CPU s/smp':>10}"
+            f"{'RSS MiB':>9}{'x bare':>8}{'x serial':>9}{'of disk':>8}"
+        )
         for r in rows:
-            print(f"{r['scenario']:<21}{r['run']:<36}{r['samples_s']:>10.2f}{r['tokens_s']:>11.0f}{r['gb_s']:>7.2f}"
-                  f"{r['cpu_s_per_sample']:>10.3f}{r['peak_rss_mib']:>9.0f}{r['vs_bare']:>8.2f}{r['vs_serial']:>9.2f}"
-                  f"{r['vs_disk']:>8.0%}")
+            print(
+                f"{r['scenario']:<21}{r['run']:<36}{r['samples_s']:>10.2f}{r['tokens_s']:>11.0f}{r['gb_s']:>7.2f}"
+                f"{r['cpu_s_per_sample']:>10.3f}{r['peak_rss_mib']:>9.0f}{r['vs_bare']:>8.2f}{r['vs_serial']:>9.2f}"
+                f"{r['vs_disk']:>8.0%}"
+            )
     return 0
 
 

@@ -26,17 +26,29 @@ from pathlib import Path
 
 import httpx
 import torch
+from hsx.reference.synthetic import synthetic_hidden_states
+from hsx.storage.manifest import load_manifest, read_rows
 
-from app.reference.synthetic import synthetic_hidden_states
-from app.storage.manifest import load_manifest, read_rows
 from tests.support.procs import Process, free_port, hsx_command
 
 HIDDEN = 64
 NUM_LAYERS = 8
 LAYERS = [2, 4, 5, 8]
 VOCAB = 1000
-BAD_KINDS = ["missing_layer", "truncated", "unreadable", "wrong_shape", "wrong_dtype", "nan", "inf",
-             "wrong_num_tokens", "wrong_ids", "cached_tokens", "missing_meta_field", "bad_meta_json"]
+BAD_KINDS = [
+    "missing_layer",
+    "truncated",
+    "unreadable",
+    "wrong_shape",
+    "wrong_dtype",
+    "nan",
+    "inf",
+    "wrong_num_tokens",
+    "wrong_ids",
+    "cached_tokens",
+    "missing_meta_field",
+    "bad_meta_json",
+]
 
 
 class Soak:
@@ -62,18 +74,48 @@ class Soak:
         return f"http://127.0.0.1:{self.svc_port}"
 
     def start_reference(self) -> None:
-        args = hsx_command() + ["reference-server", "--synthetic", "--hidden-size", str(HIDDEN), "--num-layers",
-                                str(NUM_LAYERS), "--vocab-size", str(VOCAB), "--dump-root", str(self.dump_root),
-                                "--port", str(self.ref_port), "--enable-fault-injection"]
+        args = hsx_command() + [
+            "reference-server",
+            "--synthetic",
+            "--hidden-size",
+            str(HIDDEN),
+            "--num-layers",
+            str(NUM_LAYERS),
+            "--vocab-size",
+            str(VOCAB),
+            "--dump-root",
+            str(self.dump_root),
+            "--port",
+            str(self.ref_port),
+            "--enable-fault-injection",
+        ]
         self.ref = Process(args, self.work / "reference.log")
         self.ref.wait_http(self.ref_url + "/health")
 
     def start_service(self) -> None:
-        args = hsx_command() + ["serve", "--backend-url", self.ref_url, "--dump-root", str(self.dump_root),
-                                "--output-root", str(self.output_root), "--input-root", str(self.work),
-                                "--database-url", self.database_url, "--port", str(self.svc_port),
-                                "--dump-wait-s", "2", "--max-attempts", "6", "--shard-max-bytes", "400000",
-                                "--request-timeout-s", "5"]
+        args = hsx_command() + [
+            "serve",
+            "--backend-url",
+            self.ref_url,
+            "--dump-root",
+            str(self.dump_root),
+            "--output-root",
+            str(self.output_root),
+            "--input-root",
+            str(self.work),
+            "--database-url",
+            self.database_url,
+            "--port",
+            str(self.svc_port),
+            "--dump-wait-s",
+            "2",
+            "--max-attempts",
+            "6",
+            "--shard-max-bytes",
+            "400000",
+            "--request-timeout-s",
+            "5",
+        ]
         self.svc = Process(args, self.work / "service.log")
         self.svc.wait_http(self.svc_url + "/healthz")
 
@@ -98,10 +140,18 @@ class Soak:
         kinds = self.rng.sample(BAD_KINDS, k=self.rng.randint(1, 4))
         if r < 0.35:
             self.actions["fault_mix"] += 1
-            self.faults({"foreign_dumps": {"probability": 0.15, "before": self.rng.randint(0, 2),
-                                           "after": self.rng.randint(0, 2), "health_like": self.rng.random() < 0.5},
-                         "bad_dumps": {"probability": 0.08, "kind": kinds},
-                         "late_done": {"probability": 0.05, "seconds": 0.3, "never": False}})
+            self.faults(
+                {
+                    "foreign_dumps": {
+                        "probability": 0.15,
+                        "before": self.rng.randint(0, 2),
+                        "after": self.rng.randint(0, 2),
+                        "health_like": self.rng.random() < 0.5,
+                    },
+                    "bad_dumps": {"probability": 0.08, "kind": kinds},
+                    "late_done": {"probability": 0.05, "seconds": 0.3, "never": False},
+                }
+            )
         elif r < 0.45:
             self.actions["never_done"] += 1
             self.faults({"late_done": {"count": 1, "never": True}})
@@ -131,11 +181,17 @@ class Soak:
     def run(self, n: int, deadline_s: float) -> dict:
         self.start_reference()
         self.start_service()
-        samples = [{"id": f"s{i}", "input_ids": [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(4, 160))]}
-                   for i in range(n)]
+        samples = [
+            {"id": f"s{i}", "input_ids": [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(4, 160))]}
+            for i in range(n)
+        ]
         body = "".join(json.dumps(s) + "\n" for s in samples).encode()
-        job = self.http.post(self.svc_url + "/v1/jobs", content=body, headers={"content-type": "application/x-ndjson"},
-                             params={"name": "soak"}).json()
+        job = self.http.post(
+            self.svc_url + "/v1/jobs",
+            content=body,
+            headers={"content-type": "application/x-ndjson"},
+            params={"name": "soak"},
+        ).json()
         job_id = job["id"]
         start = time.monotonic()
         while time.monotonic() - start < deadline_s:
@@ -144,8 +200,9 @@ class Soak:
             if state and state["state"] in ("succeeded", "failed", "cancelled"):
                 break
             self.chaos()
-        self.faults({"seed": None, "foreign_dumps": None, "bad_dumps": None, "late_done": None, "delay": None,
-                     "crash": None})
+        self.faults(
+            {"seed": None, "foreign_dumps": None, "bad_dumps": None, "late_done": None, "delay": None, "crash": None}
+        )
         final = self._wait(job_id, deadline_s)
         self.collect_injected()
         report = self.check(job_id, samples, final)
@@ -193,7 +250,8 @@ class Soak:
             rows = read_rows(job_dir / entry["shard"], entry["offset"], entry["num_tokens"], manifest["layers"])
             truth = synthetic_hidden_states(s["input_ids"], manifest["layers"], HIDDEN, torch.bfloat16)
             ok = rows["input_ids"].tolist() == s["input_ids"] and all(
-                torch.equal(rows[f"layer_{i}"], truth[i]) for i in manifest["layers"])
+                torch.equal(rows[f"layer_{i}"], truth[i]) for i in manifest["layers"]
+            )
             wrong += not ok
         stored = len(by_id)
         return {

@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 import torch
+from hsx.storage.manifest import load_manifest, read_sample
 from safetensors.torch import load
 
-from app.storage.manifest import load_manifest, read_sample
 from tests.support.stack import VOCAB, start_reference, start_service
 from tests.test_extraction_e2e import assert_stored_exactly, make_samples
 
@@ -19,11 +19,15 @@ from tests.test_extraction_e2e import assert_stored_exactly, make_samples
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def stack(request, tmp_path_factory, checkpoint):
     tmp = tmp_path_factory.mktemp(f"life-{request.param}")
-    url = (f"sqlite:///{tmp / 'hsx.db'}" if request.param == "sqlite"
-           else request.getfixturevalue("postgres_module_url"))
+    url = f"sqlite:///{tmp / 'hsx.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_module_url")
     ref = start_reference(tmp, checkpoint)
-    svc = start_service(tmp, url, backend_url=ref.url, dump_root=ref.dump_root,
-                        extra=["--shard-max-bytes", "100000", "--max-json-bytes", "2000000"])
+    svc = start_service(
+        tmp,
+        url,
+        backend_url=ref.url,
+        dump_root=ref.dump_root,
+        extra=["--shard-max-bytes", "100000", "--max-json-bytes", "2000000"],
+    )
     yield svc, ref
     svc.stop()
     ref.stop()
@@ -31,8 +35,7 @@ def stack(request, tmp_path_factory, checkpoint):
 
 def test_list_jobs_pages_newest_first(stack):
     svc, _ = stack
-    ids = [svc.post_job({"name": f"list-{i}", "samples": make_samples(1, seed=100 + i)}).json()["id"]
-           for i in range(3)]
+    ids = [svc.post_job({"name": f"list-{i}", "samples": make_samples(1, seed=100 + i)}).json()["id"] for i in range(3)]
     for job_id in ids:
         svc.wait_job(job_id)
     first = svc.get("/v1/jobs", params={"limit": 2}).json()
@@ -102,8 +105,9 @@ def test_idempotency_key(stack):
     second = svc.client.post(svc.url + "/v1/jobs", json=body, headers={"Idempotency-Key": "k-1"})
     assert first.status_code == second.status_code == 202
     assert first.json()["id"] == second.json()["id"]
-    other = svc.client.post(svc.url + "/v1/jobs", json={"samples": make_samples(3, seed=21)},
-                            headers={"Idempotency-Key": "k-1"})
+    other = svc.client.post(
+        svc.url + "/v1/jobs", json={"samples": make_samples(3, seed=21)}, headers={"Idempotency-Key": "k-1"}
+    )
     assert other.status_code == 422 and "Idempotency-Key" in other.json()["detail"]
     lines = "".join(json.dumps(s) + "\n" for s in make_samples(3, seed=22)).encode()
     nd = {"content-type": "application/x-ndjson", "Idempotency-Key": "k-2"}
@@ -123,19 +127,26 @@ def test_ndjson_stream_and_backend_validation(stack):
             yield (json.dumps({"id": f"nd-{i}", "input_ids": [i % VOCAB, 1, 2]}) + "\n").encode()
 
     before = svc.get("/v1/jobs", params={"limit": 1000}).json()["data"]
-    resp = svc.client.post(svc.url + "/v1/jobs", content=body(), params={"name": "streamed", "layers": "2,4,5,8"},
-                           headers={"content-type": "application/x-ndjson"})
+    resp = svc.client.post(
+        svc.url + "/v1/jobs",
+        content=body(),
+        params={"name": "streamed", "layers": "2,4,5,8"},
+        headers={"content-type": "application/x-ndjson"},
+    )
     assert resp.status_code == 202, resp.text
     job = resp.json()
     assert job["counts"]["total"] == n and job["tokens"]["total"] == 3 * n and job["layers"] == [2, 4, 5, 8]
     svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel")
 
     bad = [json.dumps({"input_ids": [1, 2]}), json.dumps({"input_ids": [VOCAB]}), "{oops"]
-    resp = svc.client.post(svc.url + "/v1/jobs", content="\n".join(bad).encode(),
-                           headers={"content-type": "application/x-ndjson"})
+    resp = svc.client.post(
+        svc.url + "/v1/jobs", content="\n".join(bad).encode(), headers={"content-type": "application/x-ndjson"}
+    )
     assert resp.status_code == 422
     assert [(e["sample_index"], e["line"], e["field"]) for e in resp.json()["errors"]] == [
-        (1, 2, "input_ids.0"), (2, 3, "sample")]
+        (1, 2, "input_ids.0"),
+        (2, 3, "sample"),
+    ]
     too_long = svc.post_job({"samples": [{"input_ids": [1] * 5000}]})
     assert too_long.status_code == 422 and "limit" in too_long.json()["errors"][0]["message"]
     after = svc.get("/v1/jobs", params={"limit": 1000}).json()["data"]
@@ -191,8 +202,11 @@ def test_downloads_events_and_metrics(stack, recompute):
 
 def test_sample_ids_with_slashes_are_reachable(stack):
     svc, _ = stack
-    job = svc.wait_job(svc.post_job({"samples": [{"id": "conv/7", "input_ids": [5, 6, 7]},
-                                                 {"id": "x/tensors", "input_ids": [8, 9]}]}).json()["id"])
+    job = svc.wait_job(
+        svc.post_job(
+            {"samples": [{"id": "conv/7", "input_ids": [5, 6, 7]}, {"id": "x/tensors", "input_ids": [8, 9]}]}
+        ).json()["id"]
+    )
     assert job["state"] == "succeeded"
     for sid, ids in (("conv/7", [5, 6, 7]), ("x/tensors", [8, 9])):
         quoted = sid.replace("/", "%2F")
@@ -202,8 +216,11 @@ def test_sample_ids_with_slashes_are_reachable(stack):
 
 
 def test_tokens_guard_everything_but_health(tmp_path):
-    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'auth.db'}",
-                        extra=["--no-writer", "--api-tokens", "writer-secret,reader-secret:read"])
+    svc = start_service(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'auth.db'}",
+        extra=["--no-writer", "--api-tokens", "writer-secret,reader-secret:read"],
+    )
     try:
         c = httpx.Client(base_url=svc.url)
         assert c.get("/healthz").status_code == 200
@@ -218,8 +235,9 @@ def test_tokens_guard_everything_but_health(tmp_path):
         assert c.post("/v1/jobs/job_nope/verify", headers=read).status_code == 404
         denied = c.post("/v1/jobs", json={"samples": [{"input_ids": [1]}]}, headers=read)
         assert denied.status_code == 403 and denied.json()["status"] == 403
-        ok = c.post("/v1/jobs", json={"samples": [{"input_ids": [1]}]},
-                    headers={"Authorization": "Bearer writer-secret"})
+        ok = c.post(
+            "/v1/jobs", json={"samples": [{"input_ids": [1]}]}, headers={"Authorization": "Bearer writer-secret"}
+        )
         assert ok.status_code == 202
     finally:
         svc.stop()

@@ -6,10 +6,10 @@ import json
 import os
 
 import pytest
+from hsx.db.engine import make_engine
+from hsx.db.models import JobRow, SampleRow
 from sqlalchemy import func, select
 
-from app.db.engine import make_engine
-from app.db.models import Job, Sample
 from tests.support.stack import start_service
 
 OK = {"input_ids": [1, 2, 3]}
@@ -40,8 +40,10 @@ def stored_rows(service) -> tuple[int, int]:
     engine = make_engine(service.database_url)
     try:
         with engine.connect() as conn:
-            return (conn.execute(select(func.count()).select_from(Job)).scalar_one(),
-                    conn.execute(select(func.count()).select_from(Sample)).scalar_one())
+            return (
+                conn.execute(select(func.count()).select_from(JobRow)).scalar_one(),
+                conn.execute(select(func.count()).select_from(SampleRow)).scalar_one(),
+            )
     finally:
         engine.dispose()
 
@@ -104,7 +106,9 @@ def test_jsonl_errors_name_the_line(service, unchanged):
     )
     body = problem(service.post_job({"input_path": "bad.jsonl"}), 422)
     assert [(e["sample_index"], e["line"], e["field"]) for e in body["errors"]] == [
-        (1, 3, "loss_mask"), (2, 4, "sample")]
+        (1, 3, "loss_mask"),
+        (2, 4, "sample"),
+    ]
 
 
 def test_jsonl_input_creates_the_job(service):

@@ -11,10 +11,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hsx import cli
+from hsx.commands.common import Progress
+from hsx.sdk import HsxClient
 
-from app import cli
-from app.commands.common import Progress
-from app.sdk import HsxClient
 from tests.support.procs import hsx_command
 from tests.test_extraction_e2e import make_samples
 from tests.test_sdk import start_stack, stop_stack
@@ -25,8 +25,11 @@ CLIENT_COMMANDS = ["submit", "status", "jobs", "samples", "cancel", "retry", "de
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, checkpoint):
-    svc, ref = start_stack(tmp_path_factory.mktemp("cli"), checkpoint,
-                           ["--shard-max-bytes", "40000", "--api-tokens", f"{WRITE},{READ}:read"])
+    svc, ref = start_stack(
+        tmp_path_factory.mktemp("cli"),
+        checkpoint,
+        ["--shard-max-bytes", "40000", "--api-tokens", f"{WRITE},{READ}:read"],
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HSX_URL", svc.url)
         mp.setenv("HSX_TOKEN", WRITE)
@@ -96,8 +99,11 @@ def test_submit_status_jobs_samples_manifest(run, finished, tmp_path):
     listed = json.loads(out)
     assert code == 0 and {job.id, first} <= {j["id"] for j in listed}
     code, out, _ = run("jobs", "--limit", "1", "--state", "succeeded")
-    assert code == 0 and out.splitlines()[0].split() == ["ID", "STATE", "STORED", "FAILED", "TOKENS", "CREATED",
-                                                         "NAME"] and len(out.splitlines()) == 2
+    assert (
+        code == 0
+        and out.splitlines()[0].split() == ["ID", "STATE", "STORED", "FAILED", "TOKENS", "CREATED", "NAME"]
+        and len(out.splitlines()) == 2
+    )
 
     code, out, _ = run("samples", job.id, "--json")
     assert code == 0 and [s["id"] for s in json.loads(out)] == [s["id"] for s in samples]
@@ -181,11 +187,13 @@ def test_errors_go_to_stderr_with_exit_codes(run, finished, tmp_path, monkeypatc
 
     # the installed console script, configured by the environment only
     env = {**os.environ}
-    proc = subprocess.run(hsx_command() + ["status", "job_missing", "--json"], capture_output=True, text=True,
-                          env=env, timeout=60)
+    proc = subprocess.run(
+        hsx_command() + ["status", "job_missing", "--json"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert proc.returncode == 2 and json.loads(proc.stderr)["status"] == 404 and proc.stdout == ""
-    proc = subprocess.run(hsx_command() + ["jobs", "--json", "--limit", "1"], capture_output=True, text=True,
-                          env=env, timeout=60)
+    proc = subprocess.run(
+        hsx_command() + ["jobs", "--json", "--limit", "1"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert proc.returncode == 0 and len(json.loads(proc.stdout)) == 1
 
 

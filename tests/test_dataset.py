@@ -7,10 +7,10 @@ import pickle
 import pytest
 import safetensors
 import torch
+from hsx.training.dataset import HiddenStateDataset
+from hsx.training.layers import eagle3_capture_layers, select_layers
 from torch.utils.data import DataLoader
 
-from app.training.dataset import HiddenStateDataset
-from app.training.layers import eagle3_capture_layers, select_layers
 from tests.support.jobs import LLAMA_LAYERS, llama_job, make_job, tiny_llama
 
 
@@ -47,12 +47,15 @@ def test_manifest_path_layer_choice_and_dtype(job):
     assert torch.equal(item["hidden_state"], s.layers[4].float())
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"aux_layers": [2, 3, 5]}, r"aux layers \[3\] are not in the job's captured layers \[2, 4, 5, 8\]"),
-    ({"last_layer": 7}, r"last layer 7 is not in the job's captured layers"),
-    ({"aux_layers": [2, 4, 8]}, r"layer 8 is both an aux layer and the last layer"),
-    ({"aux_layers": [2, 2, 4]}, r"repeats a layer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"aux_layers": [2, 3, 5]}, r"aux layers \[3\] are not in the job's captured layers \[2, 4, 5, 8\]"),
+        ({"last_layer": 7}, r"last layer 7 is not in the job's captured layers"),
+        ({"aux_layers": [2, 4, 8]}, r"layer 8 is both an aux layer and the last layer"),
+        ({"aux_layers": [2, 2, 4]}, r"repeats a layer"),
+    ],
+)
 def test_layer_choice_errors(job, kwargs, message):
     with pytest.raises(ValueError, match=message):
         HiddenStateDataset(job.job_dir, **kwargs)
@@ -79,6 +82,7 @@ def test_missing_manifest_is_a_clear_error(tmp_path):
 
 def test_reads_slices_never_whole_shards(job, monkeypatch):
     """Every read goes through get_slice: the shard handles are replaced by ones that offer nothing else."""
+
     class SliceOnly:
         def __init__(self, inner):
             self._inner = inner
@@ -124,7 +128,8 @@ def test_real_model_layers_map_to_hf_hidden_states(tmp_path):
     ds = HiddenStateDataset(job.job_dir)
     pre_norm = {}
     hook = model.model.layers[-1].register_forward_hook(
-        lambda mod, args, out: pre_norm.__setitem__("x", out[0] if isinstance(out, tuple) else out))
+        lambda mod, args, out: pre_norm.__setitem__("x", out[0] if isinstance(out, tuple) else out)
+    )
     try:
         for k, hs in enumerate(hidden):
             item = ds[k]

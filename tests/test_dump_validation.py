@@ -17,9 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from app.backends.dumps import (
+from hsx.backends.dumps import (
     Dump,
     DumpRejected,
     DumpRoot,
@@ -31,9 +29,10 @@ from app.backends.dumps import (
     read_meta,
     validate,
 )
-from app.reference.dumper import DumpWriter, input_ids_sha256
-from app.storage.safetensors_raw import TensorSpan
-from app.storage.shards import NonFiniteSamples, ShardSample, write_shard
+from hsx.reference.dumper import DumpWriter, input_ids_sha256
+from hsx.storage.safetensors_raw import TensorSpan
+from hsx.storage.shards import NonFiniteSamples, ShardSample, write_shard
+from safetensors.torch import load_file, save_file
 
 IDS = [101, 7, 9, 2048, 3, 77]
 N = len(IDS)
@@ -75,7 +74,7 @@ def edit_meta(d: Path, **changes) -> dict:
 def split_safetensors(path: Path) -> tuple[dict, bytes]:
     blob = path.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
-    return json.loads(blob[8:8 + n]), blob[8 + n:]
+    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
 
 
 def join_safetensors(path: Path, header: dict, data: bytes) -> None:
@@ -348,7 +347,7 @@ def test_header_not_json(tmp_path):
     f = d / "hidden_states.safetensors"
     blob = f.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
-    f.write_bytes(blob[:8] + b"!" * n + blob[8 + n:])
+    f.write_bytes(blob[:8] + b"!" * n + blob[8 + n :])
     assert validate_code(d) == "bad_tensor_file"
 
 
@@ -400,8 +399,13 @@ def write_as_shard(d: Path, out: Path, sample_id: str = "s"):
     dump = validate(d, read_meta(d))
     ids = np.arange(dump.num_tokens, dtype=np.int64)  # the ids play no part in what is checked here
     layers = [int(i) for i in dump.meta["layers"]]
-    return write_shard(out, [ShardSample(sample_id, ids, np.ones_like(ids), dump.layers)], layers,
-                       dump.meta["dtype"], int(dump.meta["hidden_size"]))
+    return write_shard(
+        out,
+        [ShardSample(sample_id, ids, np.ones_like(ids), dump.layers)],
+        layers,
+        dump.meta["dtype"],
+        int(dump.meta["hidden_size"]),
+    )
 
 
 def non_finite_reasons(d: Path, out: Path) -> dict[str, str]:
@@ -608,7 +612,7 @@ def test_load_staged_rejections(tmp_path):
 _CHILD = textwrap.dedent(
     """
     import sys
-    from app.backends.dumps import DumpRoot, DumpRootBusy
+    from hsx.backends.dumps import DumpRoot, DumpRootBusy
 
     def attempt():
         r = DumpRoot(sys.argv[1])
@@ -633,7 +637,10 @@ def test_dump_root_lock_excludes_another_process(tmp_path):
     assert root_path.is_dir()
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(root_path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         first = child.stdout.readline().strip()

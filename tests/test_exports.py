@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hsx.cli import main as hsx
+from hsx.exports import export_job
+from hsx.exports.base import RECORD_NAME, ExportRefused
 from safetensors.torch import load_file
 
-from app.cli import main as hsx
-from app.exports import export_job
-from app.exports.base import RECORD_NAME, ExportRefused
 from tests.support.jobs import LLAMA_LAYERS, llama_job, make_job, tiny_llama
 
 L = LLAMA_LAYERS
@@ -31,10 +31,12 @@ L = LLAMA_LAYERS
 
 # --- the targets' readers -------------------------------------------------------------------------
 
+
 def read_specforge(root: Path, max_len: int = 2048) -> dict[int, dict]:
     """SpecForge: walk for *.ckpt, sort the paths, torch.load each (mmap) and squeeze the batch dim."""
-    paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
-                   if f.endswith((".ckpt", ".ckpt.gz")))
+    paths = sorted(
+        os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith((".ckpt", ".ckpt.gz"))
+    )
     out = {}
     for path in paths:
         data = torch.load(path, weights_only=True, mmap=True)  # weights_only: plain tensors only
@@ -73,8 +75,11 @@ def read_modelopt(root: Path) -> dict[str, dict]:
 def read_speculators(root: Path) -> dict[int, dict]:
     """speculators: hs_<idx>.safetensors by dataset row; loss_mask from the dataset row (hsx_samples.jsonl)."""
     rows = [json.loads(line) for line in (root / "hsx_samples.jsonl").read_text().splitlines()]
-    indices = sorted(int(p.stem[3:]) for p in (root / "hidden_states").iterdir()
-                     if p.name.startswith("hs_") and p.name.endswith(".safetensors"))
+    indices = sorted(
+        int(p.stem[3:])
+        for p in (root / "hidden_states").iterdir()
+        if p.name.startswith("hs_") and p.name.endswith(".safetensors")
+    )
     assert indices == [r["index"] for r in rows] == list(range(len(rows)))
     out = {}
     for idx in indices:
@@ -100,6 +105,7 @@ def mtimes(root: Path) -> dict[str, int]:
 
 # --- fixtures ------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def job(tmp_path):
     return make_job(tmp_path, layers=[2, 4, 5, 8], hidden=16, dtype="bfloat16", num_samples=5, samples_per_shard=2)
@@ -115,6 +121,7 @@ def llama(tmp_path_factory):
 
 
 # --- SpecForge -------------------------------------------------------------------------------------
+
 
 def test_specforge_layout_and_values(job, tmp_path):
     out = tmp_path / "sf"
@@ -157,6 +164,7 @@ def test_specforge_real_model_is_post_norm_last_layer(llama, tmp_path):
 
 # --- Model Optimizer --------------------------------------------------------------------------------
 
+
 def test_modelopt_layout_and_values(tmp_path):
     job = make_job(tmp_path, num_samples=3, ids=["conv-1", "a/b c", "../x"], dtype="float16")
     out = tmp_path / "mo"
@@ -167,8 +175,14 @@ def test_modelopt_layout_and_values(tmp_path):
     assert sorted(items) == sorted(s.id for s in job.samples)
     for s in job.samples:
         it, t = items[s.id], s.input_ids.shape[0]
-        assert set(it["raw"]) == {"input_ids", "hidden_states", "aux_hidden_states", "loss_mask", "conversation_id",
-                                  "hidden_states_prenorm"}
+        assert set(it["raw"]) == {
+            "input_ids",
+            "hidden_states",
+            "aux_hidden_states",
+            "loss_mask",
+            "conversation_id",
+            "hidden_states_prenorm",
+        }
         assert it["input_ids"].dtype == torch.int64 and torch.equal(it["input_ids"], s.input_ids)
         assert torch.equal(it["loss_mask"], s.loss_mask)
         assert it["base_model_hidden_states"].shape == (t, 16) and it["base_model_hidden_states"].dtype == torch.float16
@@ -190,6 +204,7 @@ def test_modelopt_real_model_aux_convention(llama, tmp_path):
 
 
 # --- speculators ------------------------------------------------------------------------------------
+
 
 def test_speculators_refuses_a_post_norm_last_layer(job, tmp_path):
     with pytest.raises(ExportRefused, match="norm would be applied twice"):
@@ -226,6 +241,7 @@ def test_speculators_refuses_a_norm_that_does_not_fit(llama, tmp_path):
 
 # --- resume, atomicity, refusal ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("target", ["specforge", "modelopt"])
 def test_rerun_rewrites_nothing_and_fills_gaps(job, tmp_path, target):
     out = tmp_path / target
@@ -248,14 +264,17 @@ def test_rerun_rewrites_nothing_and_fills_gaps(job, tmp_path, target):
     assert record["complete"] is True and record["job_id"] == job.manifest["job_id"] and len(record["files"]) == 5
 
 
-@pytest.mark.parametrize("target, layers, options, message", [
-    ("specforge", [3, 4, 5, 8], {}, r"needs layers \[2, 4, 5, 8\].*captured \[3, 4, 5, 8\], without \[2\]"),
-    ("modelopt", [2, 4, 5], {}, r"without \[8\]"),
-    ("modelopt", [2, 4, 5, 7], {}, r"without \[8\]"),  # the highest captured layer is not L
-    ("specforge", [2, 4, 5, 8], {"aux_layers": [2, 4]}, r"exactly three distinct aux layers"),
-    ("specforge", [2, 4, 5, 8], {"num_layers": 7}, r"contradicts the manifest's model.num_hidden_layers 8"),
-    ("speculators", [2, 4, 6, 8], {}, r"without \[5\]"),
-])
+@pytest.mark.parametrize(
+    "target, layers, options, message",
+    [
+        ("specforge", [3, 4, 5, 8], {}, r"needs layers \[2, 4, 5, 8\].*captured \[3, 4, 5, 8\], without \[2\]"),
+        ("modelopt", [2, 4, 5], {}, r"without \[8\]"),
+        ("modelopt", [2, 4, 5, 7], {}, r"without \[8\]"),  # the highest captured layer is not L
+        ("specforge", [2, 4, 5, 8], {"aux_layers": [2, 4]}, r"exactly three distinct aux layers"),
+        ("specforge", [2, 4, 5, 8], {"num_layers": 7}, r"contradicts the manifest's model.num_hidden_layers 8"),
+        ("speculators", [2, 4, 6, 8], {}, r"without \[5\]"),
+    ],
+)
 def test_refuses_layers_that_do_not_fit(tmp_path, target, layers, options, message):
     job = make_job(tmp_path, layers=layers, num_samples=2)
     with pytest.raises(ExportRefused, match=message):
@@ -277,8 +296,9 @@ def test_custom_aux_layers(tmp_path):
     result = export_job("specforge", job.job_dir, tmp_path / "sf", aux_layers=[3, 4, 6])
     assert any("aux_hidden_state_layer_ids [2, 3, 5]; set" in n for n in result.notes)
     s = job.samples[1]
-    assert torch.equal(read_specforge(tmp_path / "sf")[1]["hidden_state"][0],
-                       torch.cat([s.layers[3], s.layers[4], s.layers[6]], -1))
+    assert torch.equal(
+        read_specforge(tmp_path / "sf")[1]["hidden_state"][0], torch.cat([s.layers[3], s.layers[4], s.layers[6]], -1)
+    )
 
 
 def test_output_folder_must_be_empty_or_the_same_export(job, tmp_path):
@@ -298,6 +318,7 @@ def test_output_folder_must_be_empty_or_the_same_export(job, tmp_path):
 
 
 # --- command line ------------------------------------------------------------------------------------
+
 
 def test_cli_export_and_refusal(job, tmp_path, capsys):
     assert hsx(["export", "modelopt", str(job.manifest_path), str(tmp_path / "mo")]) == 0
@@ -320,6 +341,6 @@ def test_cli_speculators_with_checkpoint(llama, tmp_path, capsys):
 
 
 def test_cli_modules_stay_light():
-    code = "import sys, app.export_cli, app.verify_cli; print('torch' in sys.modules)"
+    code = "import sys, hsx.export_cli, hsx.verify_cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

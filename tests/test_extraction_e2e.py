@@ -13,9 +13,9 @@ import time
 
 import httpx
 import torch
+from hsx.storage.manifest import load_manifest, read_sample
 from safetensors import safe_open
 
-from app.storage.manifest import load_manifest, read_sample
 from tests.support.procs import free_port
 from tests.support.stack import NUM_LAYERS, VOCAB, start_reference, start_service
 
@@ -65,8 +65,9 @@ def assert_stored_exactly(service, job: dict, samples: list[dict], recompute) ->
 
 def test_job_end_to_end_counter_mode(tmp_path, database_url, checkpoint, recompute):
     ref = start_reference(tmp_path, checkpoint)
-    svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=ref.dump_root,
-                        extra=["--shard-max-bytes", "200000"])
+    svc = start_service(
+        tmp_path, database_url, backend_url=ref.url, dump_root=ref.dump_root, extra=["--shard-max-bytes", "200000"]
+    )
     try:
         samples = make_samples(14, seed=1)
         resp = svc.post_job({"name": "e2e", "samples": samples})
@@ -102,8 +103,7 @@ def test_job_end_to_end_rid_mode(tmp_path, checkpoint, recompute):
         samples = make_samples(6, seed=2)
         job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
         assert_stored_exactly(svc, job, samples, recompute)
-        dumps = [svc.get(f"/v1/jobs/{job['id']}/samples/{s['id']}").json()["attempt_log"][-1]["dump"]
-                 for s in samples]
+        dumps = [svc.get(f"/v1/jobs/{job['id']}/samples/{s['id']}").json()["attempt_log"][-1]["dump"] for s in samples]
         assert all(d.startswith(f"req_hsx-{job['id']}-") for d in dumps), dumps
     finally:
         svc.stop()
@@ -132,8 +132,13 @@ def test_foreign_requests_never_yield_a_wrong_sample(tmp_path, database_url, che
                     else:
                         # Same lengths as our samples, other ids: only an ids check tells them apart.
                         n = len(rng.choice(samples)["input_ids"])
-                        c.post(url + "/generate", json={"input_ids": [rng.randrange(VOCAB) for _ in range(n)],
-                                                        "sampling_params": {"max_new_tokens": 0}})
+                        c.post(
+                            url + "/generate",
+                            json={
+                                "input_ids": [rng.randrange(VOCAB) for _ in range(n)],
+                                "sampling_params": {"max_new_tokens": 0},
+                            },
+                        )
                         foreign["generate"] += 1
                 except httpx.HTTPError:
                     time.sleep(0.05)

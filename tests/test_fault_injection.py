@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 import torch
+from hsx.reference.synthetic import synthetic_hidden_states
+from hsx.storage.manifest import load_manifest, read_sample
 
-from app.reference.synthetic import synthetic_hidden_states
-from app.storage.manifest import load_manifest, read_sample
 from tests.support.procs import Process, free_port, hsx_command
 from tests.support.stack import start_service
 
@@ -21,9 +21,22 @@ LAYERS = [2, 4, 5, 8]
 
 def start_synthetic(tmp, *extra: str):
     port = free_port()
-    args = hsx_command() + ["reference-server", "--synthetic", "--hidden-size", str(HIDDEN), "--num-layers",
-                            str(NUM_LAYERS), "--vocab-size", str(VOCAB), "--dump-root", str(tmp / "dumps"),
-                            "--port", str(port), "--enable-fault-injection", *extra]
+    args = hsx_command() + [
+        "reference-server",
+        "--synthetic",
+        "--hidden-size",
+        str(HIDDEN),
+        "--num-layers",
+        str(NUM_LAYERS),
+        "--vocab-size",
+        str(VOCAB),
+        "--dump-root",
+        str(tmp / "dumps"),
+        "--port",
+        str(port),
+        "--enable-fault-injection",
+        *extra,
+    ]
     proc = Process(args, tmp / f"reference-{port}.log")
     url = f"http://127.0.0.1:{port}"
     proc.wait_http(url + "/health")
@@ -34,8 +47,13 @@ def start_synthetic(tmp, *extra: str):
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("inject")
     proc, url = start_synthetic(tmp)
-    svc = start_service(tmp, f"sqlite:///{tmp / 'hsx.db'}", backend_url=url, dump_root=tmp / "dumps",
-                        extra=["--dump-wait-s", "3", "--max-attempts", "3"])
+    svc = start_service(
+        tmp,
+        f"sqlite:///{tmp / 'hsx.db'}",
+        backend_url=url,
+        dump_root=tmp / "dumps",
+        extra=["--dump-wait-s", "3", "--max-attempts", "3"],
+    )
     yield svc, url
     svc.stop()
     proc.stop()
@@ -52,9 +70,13 @@ def faults(url: str, patch: dict | None) -> dict:
 
 def samples(n: int, seed: int, lengths: list[int] | None = None) -> list[dict]:
     rng = random.Random(seed)
-    return [{"id": f"f{seed}-{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(lengths[i] if lengths else
-                                                                                        rng.randint(3, 60))]}
-            for i in range(n)]
+    return [
+        {
+            "id": f"f{seed}-{i}",
+            "input_ids": [rng.randrange(VOCAB) for _ in range(lengths[i] if lengths else rng.randint(3, 60))],
+        }
+        for i in range(n)
+    ]
 
 
 def run_job(svc, items: list[dict]) -> dict:
@@ -110,10 +132,18 @@ def test_late_done_and_a_dump_that_never_completes(stack):
 
 
 EXPECTED = {
-    "missing_layer": "missing_layer", "truncated": "bad_tensor_file", "unreadable": "bad_tensor_file",
-    "wrong_shape": "wrong_shape", "wrong_dtype": "wrong_dtype", "nan": "non_finite", "inf": "non_finite",
-    "cached_tokens": "cached_tokens", "wrong_num_tokens": "no_dump", "wrong_ids": "no_dump",
-    "missing_meta_field": "no_dump", "bad_meta_json": "no_dump",
+    "missing_layer": "missing_layer",
+    "truncated": "bad_tensor_file",
+    "unreadable": "bad_tensor_file",
+    "wrong_shape": "wrong_shape",
+    "wrong_dtype": "wrong_dtype",
+    "nan": "non_finite",
+    "inf": "non_finite",
+    "cached_tokens": "cached_tokens",
+    "wrong_num_tokens": "no_dump",
+    "wrong_ids": "no_dump",
+    "missing_meta_field": "no_dump",
+    "bad_meta_json": "no_dump",
 }
 
 
@@ -160,8 +190,9 @@ def test_unavailable_server_costs_no_attempt(stack):
     assert all(svc.get(f"/v1/jobs/{job['id']}/samples/{s['id']}").json()["attempts"] == 1 for s in items)
 
 
-@pytest.mark.parametrize("flags,needle", [(["--enable-radix-cache"], "radix"),
-                                          (["--chunked-prefill-size", "16"], "chunk")])
+@pytest.mark.parametrize(
+    "flags,needle", [(["--enable-radix-cache"], "radix"), (["--chunked-prefill-size", "16"], "chunk")]
+)
 def test_server_settings_that_break_dumps_are_refused(tmp_path, flags, needle):
     proc, url = start_synthetic(tmp_path, *flags)
     svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=tmp_path / "dumps")
@@ -187,8 +218,13 @@ def test_staged_samples_go_to_a_shard_while_the_last_request_runs(tmp_path):
     """Once nothing is left to claim, what is staged is written while the last request runs (0.8 s
     here), so the job ends with only that sample left to write, in a shard of its own."""
     proc, url = start_synthetic(tmp_path, "--prefill-us-per-token", "20000")
-    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=tmp_path / "dumps",
-                        extra=["--shard-max-wait-s", "600"])
+    svc = start_service(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'hsx.db'}",
+        backend_url=url,
+        dump_root=tmp_path / "dumps",
+        extra=["--shard-max-wait-s", "600"],
+    )
     try:
         items = samples(4, seed=9, lengths=[40] * 4)
         job = run_job(svc, items)

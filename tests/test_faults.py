@@ -11,8 +11,8 @@ import threading
 import time
 
 import pytest
+from hsx.sdk import HsxClient, Unavailable
 
-from app.sdk import HsxClient, Unavailable
 from tests.support.procs import free_port
 from tests.support.stack import start_reference, start_service
 from tests.test_extraction_e2e import assert_stored_exactly, make_samples
@@ -56,8 +56,9 @@ def test_model_server_killed_and_restarted_mid_job(tmp_path, checkpoint, recompu
         log = attempt_log(svc, job_id, samples)
         assert all(a["outcome"] in ("ok", "interrupted", "retry") for a in log)
         assert len({a["boot_id"] for a in log if a["outcome"] == "ok"}) == 2, "dumps from both server lifetimes"
-        assert all(s["attempts"] == 1 for s in svc.get(f"/v1/jobs/{job_id}/samples", params={"limit": 100})
-                   .json()["data"]), "an outage must not spend attempts"
+        assert all(
+            s["attempts"] == 1 for s in svc.get(f"/v1/jobs/{job_id}/samples", params={"limit": 100}).json()["data"]
+        ), "an outage must not spend attempts"
     finally:
         svc.stop()
         ref.stop()
@@ -71,12 +72,15 @@ def test_stale_dumps_left_in_the_root(tmp_path, checkpoint, recompute):
     ref = start_reference(tmp_path, checkpoint, dump_root=dump_root)
     # A real dump of sample 0's ids from another model lifetime: copy it, then poison its tensors.
     import httpx
-    httpx.post(ref.url + "/generate", json={"input_ids": samples[0]["input_ids"],
-                                            "sampling_params": {"max_new_tokens": 0}})
+
+    httpx.post(
+        ref.url + "/generate", json={"input_ids": samples[0]["input_ids"], "sampling_params": {"max_new_tokens": 0}}
+    )
     stale = max(dump_root.glob("req_*"), key=lambda p: int(p.name[4:]))
     poisoned = dump_root / "req_999999"
     shutil.copytree(stale, poisoned)
     from safetensors.torch import load_file, save_file
+
     tensors = {k: v * 0 + 1 for k, v in load_file(poisoned / "hidden_states.safetensors").items()}
     save_file(tensors, poisoned / "hidden_states.safetensors")
     svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=ref.url, dump_root=dump_root)
@@ -93,8 +97,9 @@ def test_service_sigkilled_at_random_moments(tmp_path, checkpoint, recompute, da
     ref = start_reference(tmp_path, checkpoint, dump_root=dump_root)
     samples = make_samples(30, seed=42, lo=20, hi=90)
     rng = random.Random(5)
-    svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=dump_root,
-                        extra=["--shard-max-bytes", "60000"])
+    svc = start_service(
+        tmp_path, database_url, backend_url=ref.url, dump_root=dump_root, extra=["--shard-max-bytes", "60000"]
+    )
     try:
         job_id = svc.post_job({"samples": samples}).json()["id"]
         kills = 0
@@ -102,8 +107,9 @@ def test_service_sigkilled_at_random_moments(tmp_path, checkpoint, recompute, da
             time.sleep(rng.uniform(0.3, 2.5))
             svc.proc.kill()
             kills += 1
-            svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=dump_root,
-                                extra=["--shard-max-bytes", "60000"])
+            svc = start_service(
+                tmp_path, database_url, backend_url=ref.url, dump_root=dump_root, extra=["--shard-max-bytes", "60000"]
+            )
             if svc.get(f"/v1/jobs/{job_id}").json()["state"] == "succeeded":
                 break
         job = svc.wait_job(job_id)
@@ -120,8 +126,9 @@ def test_service_sigkilled_at_random_moments(tmp_path, checkpoint, recompute, da
 
 def _mount_tmpfs(path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     return result.returncode == 0
 
 
@@ -136,15 +143,20 @@ def test_output_disk_full_pauses_then_resumes(tmp_path, checkpoint, recompute):
         with open(filler, "wb") as f:  # leave about 100 KB free
             f.write(b"\0" * (2 * 1024 * 1024 - 100 * 1024))
         ref = start_reference(tmp_path, checkpoint)
-        svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=ref.url,
-                            dump_root=ref.dump_root,
-                            extra=["--output-root", str(out), "--shard-max-bytes", "50000", "--disk-check", "off"])
+        svc = start_service(
+            tmp_path,
+            f"sqlite:///{tmp_path / 'hsx.db'}",
+            backend_url=ref.url,
+            dump_root=ref.dump_root,
+            extra=["--output-root", str(out), "--shard-max-bytes", "50000", "--disk-check", "off"],
+        )
         svc.output_root = out
         try:
             samples = make_samples(12, seed=43, lo=60, hi=120)
             job_id = svc.post_job({"samples": samples}).json()["id"]
-            reason = wait_for(lambda: svc.get(f"/v1/jobs/{job_id}").json()["waiting_reason"], timeout=120,
-                              what="disk-full pause")
+            reason = wait_for(
+                lambda: svc.get(f"/v1/jobs/{job_id}").json()["waiting_reason"], timeout=120, what="disk-full pause"
+            )
             assert "disk full" in reason
             assert not list((out / job_id).glob(".*tmp*")) if (out / job_id).exists() else True
             paused = svc.get(f"/v1/jobs/{job_id}").json()
@@ -195,8 +207,6 @@ def test_postgres_restarted_mid_job(tmp_path, checkpoint, recompute, postgres_ur
         ref.stop()
 
 
-
-
 def test_disk_planning_refuses_or_warns_at_creation(tmp_path, checkpoint):
     out = tmp_path / "tiny-disk"
     if not _mount_tmpfs(out, "1m"):
@@ -208,9 +218,13 @@ def test_disk_planning_refuses_or_warns_at_creation(tmp_path, checkpoint):
         per_token = 4 * 48 * 2 + 16  # four bf16 layers of hidden 48, plus int64 ids and mask
         big = {"samples": [{"input_ids": [1] * 500} for _ in range(6)]}  # 3,000 tokens: ~1.2 MB > 1 MiB
         for mode, expect in (("refuse", 507), ("warn", 202)):
-            svc = start_service(tmp_path / mode, f"sqlite:///{tmp_path / mode}.db", backend_url=ref.url,
-                                dump_root=tmp_path / mode / "dumps",
-                                extra=["--output-root", str(out), "--disk-check", mode, "--no-writer"])
+            svc = start_service(
+                tmp_path / mode,
+                f"sqlite:///{tmp_path / mode}.db",
+                backend_url=ref.url,
+                dump_root=tmp_path / mode / "dumps",
+                extra=["--output-root", str(out), "--disk-check", mode, "--no-writer"],
+            )
             try:
                 small = svc.post_job({"samples": [{"input_ids": [1, 2, 3]}]}).json()
                 assert small["estimated_bytes"] == 3 * per_token and small["disk_warning"] is None

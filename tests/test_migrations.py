@@ -7,10 +7,9 @@ import sys
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from hsx.db.engine import make_engine, upgrade
+from hsx.db.models import Base
 from sqlalchemy import inspect
-
-from app.db.engine import make_engine, upgrade
-from app.db.models import Base
 
 
 def test_migrated_schema_equals_models(database_url):
@@ -32,8 +31,13 @@ def test_migrated_schema_equals_models(database_url):
 def test_alembic_command_line_upgrades_a_fresh_database(tmp_path):
     db = tmp_path / "cli.db"
     env = {"HSX_DATABASE_URL": f"sqlite:///{db}", "PATH": ""}
-    result = subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=str(_repo_root()),
-                            env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "alembic", "upgrade", "head"],
+        cwd=str(_repo_root()),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     engine = make_engine(f"sqlite:///{db}")
     with engine.connect() as conn:
@@ -42,6 +46,6 @@ def test_alembic_command_line_upgrades_a_fresh_database(tmp_path):
 
 
 def _repo_root():
-    from app.db.engine import MIGRATIONS_DIR
+    from hsx.db.engine import MIGRATIONS_DIR
 
     return MIGRATIONS_DIR.parent

@@ -38,8 +38,9 @@ def test_every_operation_conforms_to_its_schema(service):
         operations += 1
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck),
-                  database=None)
+        @settings(
+            max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck), database=None
+        )
         def run(case):
             case.call_and_validate(checks=CHECKS)
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hsx.db import repository as repo
+from hsx.db.engine import make_engine, session_factory, upgrade
+from hsx.manifests import manifest_document
 from sqlalchemy import event, text
-
-from app.db import repository as repo
-from app.db.engine import make_engine, session_factory, upgrade
-from app.manifests import manifest_document
 
 pytestmark = pytest.mark.postgres
 N = 30_000
@@ -25,8 +24,7 @@ def test_hot_queries_use_indexes(postgres_url):
         for start in range(0, N, 5000):
             builder.add([repo.NewSample(f"s{i}", ids, None, 8) for i in range(start, start + 5000)])
         job = builder.finish()
-        other = repo.create_job(s, name="small", layers=None,
-                                samples=[repo.NewSample("x", ids, None, 8)])
+        other = repo.create_job(s, name="small", layers=None, samples=[repo.NewSample("x", ids, None, 8)])
     with sessions.begin() as s:
         for _ in range(3):
             c = repo.claim_next(s, "w")

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from hsx.cli import build_parser
+from hsx.sdk import HsxClient
 
-from app.cli import build_parser
-from app.sdk import HsxClient
 from tests.test_sdk import start_stack, stop_stack
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -59,8 +59,9 @@ def test_curl_session(service, tmp_path):
     script = tmp_path / "session.sh"
     script.write_text(marked_block("## API", "curl-session", "bash"))
     env = {**os.environ, "HSX": service.url, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", "-euo", "pipefail", str(script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, state = re.search(r"^job (job_\w+) (\w+)$", proc.stdout, re.M).groups()
     assert state == "succeeded"
@@ -78,8 +79,9 @@ def test_python_sdk_snippet(service, tmp_path):
     script.write_text(marked_block("### Python SDK", "python-sdk", "python"))
     env = {**os.environ, "HSX_URL": service.url}
     env.pop("HSX_TOKEN", None)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, state = re.search(r"^job (job_\w+) (\w+)$", proc.stdout, re.M).groups()
     assert state == "succeeded" and "Invalid input" in proc.stdout

@@ -20,20 +20,44 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from hsx.reference.dumper import input_ids_sha256
+from hsx.reference.faults import BAD_DUMP_KINDS, DEFAULT_SETTINGS, INJECTED_KINDS, other_ids
+from hsx.reference.synthetic import synthetic_hidden_states
 from safetensors.torch import load_file
 
-from app.reference.dumper import input_ids_sha256
-from app.reference.faults import BAD_DUMP_KINDS, DEFAULT_SETTINGS, INJECTED_KINDS, other_ids
-from app.reference.synthetic import synthetic_hidden_states
 from tests.support.procs import Process, free_port, hsx_command
 
 DUMP_FILES = {"meta.json", "hidden_states.safetensors", "input_ids.safetensors", "done"}
 SYN_HIDDEN, SYN_LAYERS, SYN_VOCAB = 16, [1, 2, 4], 64  # --num-layers 4: EAGLE-3 capture [2, 2, 1, 4]
-SYN_ARGS = ["--synthetic", "--hidden-size", "16", "--num-layers", "4", "--vocab-size", "64",
-            "--enable-fault-injection", "--chunked-prefill-size", "64"]
+SYN_ARGS = [
+    "--synthetic",
+    "--hidden-size",
+    "16",
+    "--num-layers",
+    "4",
+    "--vocab-size",
+    "64",
+    "--enable-fault-injection",
+    "--chunked-prefill-size",
+    "64",
+]
 RID_HIDDEN, RID_LAYERS, RID_VOCAB = 16, [2, 4, 5, 8], 512
-RID_ARGS = ["--synthetic", "--hidden-size", "16", "--num-layers", "8", "--vocab-size", "512", "--name-by", "rid",
-            "--skip-server-warmup", "--enable-fault-injection", "--enable-radix-cache", "--chunked-prefill-size", "16"]
+RID_ARGS = [
+    "--synthetic",
+    "--hidden-size",
+    "16",
+    "--num-layers",
+    "8",
+    "--vocab-size",
+    "512",
+    "--name-by",
+    "rid",
+    "--skip-server-warmup",
+    "--enable-fault-injection",
+    "--enable-radix-cache",
+    "--chunked-prefill-size",
+    "16",
+]
 
 
 class RefServer:
@@ -75,8 +99,11 @@ class RefServer:
         return reply.json()
 
     def faults(self, patch: dict | None = None) -> dict:
-        reply = self.client.get(self.url + "/admin/faults") if patch is None else \
-            self.client.post(self.url + "/admin/faults", json=patch)
+        reply = (
+            self.client.get(self.url + "/admin/faults")
+            if patch is None
+            else self.client.post(self.url + "/admin/faults", json=patch)
+        )
         assert reply.status_code == 200, reply.text
         return reply.json()
 
@@ -180,10 +207,17 @@ def test_admin_api_get_merge_reset(syn):
     assert merged["bad_dumps"] == {"count": 2, "probability": 0.0, "kind": ["inf", "nan"]}
     assert merged["delay"] == DEFAULT_SETTINGS["delay"]  # null resets a section
 
-    for bad in ({"nope": 1}, {"crash": {"count": -1}}, {"bad_dumps": {"kind": "mystery"}},
-                {"late_done": {"seconds": "1"}}, {"foreign_dumps": {"before": 1000}},
-                {"delay": {"probability": 1.5}}, {"crash": {"speed": 1}}, [1, 2],
-                {"bad_dumps": {"count": 1}, "crash": 3}):
+    for bad in (
+        {"nope": 1},
+        {"crash": {"count": -1}},
+        {"bad_dumps": {"kind": "mystery"}},
+        {"late_done": {"seconds": "1"}},
+        {"foreign_dumps": {"before": 1000}},
+        {"delay": {"probability": 1.5}},
+        {"crash": {"speed": 1}},
+        [1, 2],
+        {"bad_dumps": {"count": 1}, "crash": 3},
+    ):
         reply = syn.client.post(syn.url + "/admin/faults", json=bad)
         assert reply.status_code == 400, (bad, reply.text)
         assert isinstance(reply.json()["error"]["message"], str)
@@ -195,7 +229,7 @@ def test_admin_api_get_merge_reset(syn):
 
 def test_admin_api_is_off_by_default(tmp_path):
     # The existing test module's servers run without the flag; a quick in-process check suffices here.
-    from app.reference.server import Engine, ServerSettings, create_app
+    from hsx.reference.server import Engine, ServerSettings, create_app
 
     engine = Engine(runner=None, writer=None, name_by="rid")
     app = create_app(engine, ServerSettings(dump_root=tmp_path, name_by="rid"), ready=None)
@@ -407,8 +441,9 @@ def test_health_checks_are_not_faulted(syn):
     before = syn.dirs()
     assert syn.get("/health").status_code == 200
     (d,) = syn.new_dumps(before)
-    assert meta_of(d)["rid"].startswith("HEALTH_CHECK_") and all(torch.isfinite(t).all()
-                                                                  for t in tensors_of(d).values())
+    assert meta_of(d)["rid"].startswith("HEALTH_CHECK_") and all(
+        torch.isfinite(t).all() for t in tensors_of(d).values()
+    )
     settings = syn.faults()["settings"]
     assert settings["bad_dumps"]["count"] == 1 and settings["foreign_dumps"]["count"] == 1
 

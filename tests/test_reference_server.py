@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from hsx.reference.dumper import DumpWriter, input_ids_sha256
+from hsx.reference.model import ModelRunner, default_capture_layers
+from hsx.reference.server import WARMUP_INPUT_IDS, BadRequest, Engine
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from app.reference.dumper import DumpWriter, input_ids_sha256
-from app.reference.model import ModelRunner, default_capture_layers
-from app.reference.server import WARMUP_INPUT_IDS, BadRequest, Engine
 from tests.support.procs import Process, free_port, hsx_command
 
 VOCAB = 256
@@ -54,8 +54,13 @@ class Servers:
 def checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("ckpt")
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POS,
     )
     with torch.random.fork_rng():
         torch.manual_seed(1234)
@@ -89,8 +94,18 @@ def servers(checkpoint, tmp_path_factory) -> Servers:
     for name, extra in specs.items():
         port = free_port()
         dump_root = base / f"dumps_{name}"  # absent on purpose: the server must create it
-        args = hsx_command() + ["reference-server", "--model", str(checkpoint), "--dump-root", str(dump_root),
-                                "--host", "127.0.0.1", "--port", str(port), *extra]
+        args = hsx_command() + [
+            "reference-server",
+            "--model",
+            str(checkpoint),
+            "--dump-root",
+            str(dump_root),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *extra,
+        ]
         started[name] = (f"http://127.0.0.1:{port}", dump_root, Process(args, base / f"{name}.log"))
     result = {}
     try:
@@ -157,8 +172,13 @@ def test_prefill_only_generate_matches_transformers(servers, reference):
     assert reply.json() == {
         "text": "",
         "output_ids": [],
-        "meta_info": {"id": "p0", "prompt_tokens": 37, "completion_tokens": 0, "cached_tokens": 0,
-                      "finish_reason": {"type": "length", "length": 0}},
+        "meta_info": {
+            "id": "p0",
+            "prompt_tokens": 37,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "finish_reason": {"type": "length", "length": 0},
+        },
     }
     directory = one_new_dump(server, before)
     meta, tensors, ids = read_dump(directory)
@@ -242,26 +262,44 @@ def test_bad_requests_are_400_and_write_nothing(servers, name):
 
 
 def test_invalid_json_is_400(servers):
-    reply = servers.counter.client.post(servers.counter.url + "/generate", content=b"{nope",
-                                        headers={"content-type": "application/json"})
+    reply = servers.counter.client.post(
+        servers.counter.url + "/generate", content=b"{nope", headers={"content-type": "application/json"}
+    )
     assert reply.status_code == 400 and "error" in reply.json()
 
 
 def test_server_and_model_info(servers, checkpoint):
     model_info = servers.counter.get("/get_model_info").json()
-    assert model_info == {"model_path": str(checkpoint), "is_generation": True, "vocab_size": VOCAB,
-                          "num_hidden_layers": LAYERS, "hidden_size": HIDDEN, "dtype": "bfloat16",
-                          "max_position_embeddings": MAX_POS}
-    for server, name_by, layers, flags in ((servers.counter, "counter", [1, 2, 4], False),
-                                           (servers.rid, "rid", [0, 3, 4], True)):
+    assert model_info == {
+        "model_path": str(checkpoint),
+        "is_generation": True,
+        "vocab_size": VOCAB,
+        "num_hidden_layers": LAYERS,
+        "hidden_size": HIDDEN,
+        "dtype": "bfloat16",
+        "max_position_embeddings": MAX_POS,
+    }
+    for server, name_by, layers, flags in (
+        (servers.counter, "counter", [1, 2, 4], False),
+        (servers.rid, "rid", [0, 3, 4], True),
+    ):
         info = server.get("/get_server_info").json()
         boot_id = info["hs_dump"].pop("boot_id")
         assert len(boot_id) == 32
         assert info == {
-            "model_path": str(checkpoint), "disable_radix_cache": True, "chunked_prefill_size": -1,
-            "max_req_input_len": MAX_POS, "enable_return_hidden_states": flags, "skip_server_warmup": flags,
-            "hs_dump": {"protocol": 1, "dump_root": str(server.dump_root), "name_by": name_by,
-                        "layers": layers, "dtype": "bfloat16"},
+            "model_path": str(checkpoint),
+            "disable_radix_cache": True,
+            "chunked_prefill_size": -1,
+            "max_req_input_len": MAX_POS,
+            "enable_return_hidden_states": flags,
+            "skip_server_warmup": flags,
+            "hs_dump": {
+                "protocol": 1,
+                "dump_root": str(server.dump_root),
+                "name_by": name_by,
+                "layers": layers,
+                "dtype": "bfloat16",
+            },
         }
     counter_boot = servers.counter.get("/get_server_info").json()["hs_dump"]["boot_id"]
     assert counter_boot != servers.rid.get("/get_server_info").json()["hs_dump"]["boot_id"]
@@ -290,8 +328,12 @@ def test_done_only_after_the_other_files(servers):
     watcher.start()
     try:
         for n in range(10):
-            assert server.generate({"input_ids": list(range(1, 60 + n)),
-                                    "sampling_params": {"max_new_tokens": 0}}).status_code == 200
+            assert (
+                server.generate(
+                    {"input_ids": list(range(1, 60 + n)), "sampling_params": {"max_new_tokens": 0}}
+                ).status_code
+                == 200
+            )
     finally:
         stop.set()
         watcher.join()
@@ -307,8 +349,14 @@ def test_rid_mode_names_dirs_by_rid(servers, reference):
     server = servers.rid
     assert not any(d for d in server.dirs() if not d.startswith("req_HEALTH_CHECK_"))  # warm-up skipped
     prompt = [9, 8, 7, 6, 5, 4]
-    reply = server.generate({"input_ids": [prompt, [1, 2]], "rid": ["sample-1.a", "sample_2"],
-                             "sampling_params": {"max_new_tokens": 0}, "return_hidden_states": True})
+    reply = server.generate(
+        {
+            "input_ids": [prompt, [1, 2]],
+            "rid": ["sample-1.a", "sample_2"],
+            "sampling_params": {"max_new_tokens": 0},
+            "return_hidden_states": True,
+        }
+    )
     assert reply.status_code == 200, reply.text
     first, second = reply.json()
     meta, tensors, ids = read_dump(server.dump_root / "req_sample-1.a")
@@ -329,6 +377,7 @@ def test_rid_mode_rejects_unsafe_rids(servers, rid):
 
 
 # In-process units: the pieces the subprocess tests cannot isolate.
+
 
 def test_dump_writer_creates_done_last(tmp_path):
     calls: list[tuple[str, set[str]]] = []
@@ -376,10 +425,26 @@ def test_layers_are_validated_and_defaulted(checkpoint):
 
 
 def test_module_entry_point_help():
-    out = subprocess.run([sys.executable, "-m", "app.reference", "--help"], capture_output=True, text=True,
-                         check=True).stdout
-    for flag in ("--model", "--dump-root", "--name-by", "--layers", "--dtype", "--skip-server-warmup",
-                 "--enable-return-hidden-states", "--synthetic", "--hidden-size", "--num-layers", "--vocab-size",
-                 "--prefill-us-per-token", "--max-batch", "--enable-fault-injection", "--enable-radix-cache",
-                 "--chunked-prefill-size", "/admin/faults"):
+    out = subprocess.run(
+        [sys.executable, "-m", "hsx.reference", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for flag in (
+        "--model",
+        "--dump-root",
+        "--name-by",
+        "--layers",
+        "--dtype",
+        "--skip-server-warmup",
+        "--enable-return-hidden-states",
+        "--synthetic",
+        "--hidden-size",
+        "--num-layers",
+        "--vocab-size",
+        "--prefill-us-per-token",
+        "--max-batch",
+        "--enable-fault-injection",
+        "--enable-radix-cache",
+        "--chunked-prefill-size",
+        "/admin/faults",
+    ):
         assert flag in out

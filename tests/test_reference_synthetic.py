@@ -21,18 +21,36 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from hsx.reference.dumper import DumpWriter, input_ids_sha256
+from hsx.reference.server import WARMUP_INPUT_IDS
+from hsx.reference.synthetic import TABLE_ROWS, SyntheticRunner, synthetic_hidden_states
 from safetensors.torch import load_file
 
-from app.reference.dumper import DumpWriter, input_ids_sha256
-from app.reference.server import WARMUP_INPUT_IDS
-from app.reference.synthetic import TABLE_ROWS, SyntheticRunner, synthetic_hidden_states
 from tests.support.procs import Process, free_port, hsx_command
 
 BIG_LAYERS = [2, 16, 29, 32]
 BATCHED_LAYERS = [0, 3]
-BATCHED_ARGS = ["--synthetic", "--hidden-size", "64", "--num-layers", "8", "--vocab-size", "1000", "--name-by", "rid",
-                "--layers", "0,3", "--max-batch", "8", "--prefill-us-per-token", "200", "--per-request-us", "1000",
-                "--skip-server-warmup", "--enable-return-hidden-states"]
+BATCHED_ARGS = [
+    "--synthetic",
+    "--hidden-size",
+    "64",
+    "--num-layers",
+    "8",
+    "--vocab-size",
+    "1000",
+    "--name-by",
+    "rid",
+    "--layers",
+    "0,3",
+    "--max-batch",
+    "8",
+    "--prefill-us-per-token",
+    "200",
+    "--per-request-us",
+    "1000",
+    "--skip-server-warmup",
+    "--enable-return-hidden-states",
+]
 DUMP_FILES = {"meta.json", "hidden_states.safetensors", "input_ids.safetensors", "done"}
 
 
@@ -136,9 +154,12 @@ def test_speed_of_a_2000_token_sample(capsys):
         shutil.rmtree(root)
     with capsys.disabled():
         for way, xs in times.items():
-            print(f"\n[synthetic speed] {way}: 2000 tokens x 4 layers x 4096 bf16 ({size / 2**20:.0f} MiB) produced "
-                  f"and written to {root.parent}: median {statistics.median(xs):.1f} ms, min {min(xs):.1f} ms, "
-                  f"max {max(xs):.1f} ms over 5 runs", end="")
+            print(
+                f"\n[synthetic speed] {way}: 2000 tokens x 4 layers x 4096 bf16 ({size / 2**20:.0f} MiB) produced "
+                f"and written to {root.parent}: median {statistics.median(xs):.1f} ms, min {min(xs):.1f} ms, "
+                f"max {max(xs):.1f} ms over 5 runs",
+                end="",
+            )
         print()
     assert statistics.median(times["server"]) < 2000  # a sanity bound only: this machine's speed varies a lot
 
@@ -192,8 +213,13 @@ def read_dump(d: Path) -> tuple[dict, dict[str, torch.Tensor], list[int]]:
 def test_info_reports_the_synthetic_shape(servers):
     big = servers["big"]
     assert big.get("/get_model_info").json() == {
-        "model_path": "hsx-synthetic", "is_generation": True, "vocab_size": 32000, "num_hidden_layers": 32,
-        "hidden_size": 4096, "dtype": "bfloat16", "max_position_embeddings": 131072,
+        "model_path": "hsx-synthetic",
+        "is_generation": True,
+        "vocab_size": 32000,
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "dtype": "bfloat16",
+        "max_position_embeddings": 131072,
     }
     info = big.get("/get_server_info").json()
     assert info["model_path"] == "hsx-synthetic" and info["disable_radix_cache"] is True
@@ -238,8 +264,14 @@ def test_large_sample_matches_synthetic_hidden_states(servers, capsys):
 def test_rid_mode_dumps_and_return_hidden_states(servers):
     server = servers["batched"]
     prompts = [[1, 2, 3, 4], [999, 0, 998]]
-    reply = server.generate({"input_ids": prompts, "rid": ["s-a", "s-b"], "return_hidden_states": True,
-                             "sampling_params": {"max_new_tokens": 2}})
+    reply = server.generate(
+        {
+            "input_ids": prompts,
+            "rid": ["s-a", "s-b"],
+            "return_hidden_states": True,
+            "sampling_params": {"max_new_tokens": 2},
+        }
+    )
     assert reply.status_code == 200, reply.text
     for prompt, rid, body in zip(prompts, ["s-a", "s-b"], reply.json()):
         meta, tensors, ids = read_dump(server.dump_root / f"req_{rid}")
@@ -257,8 +289,9 @@ def test_batching_raises_throughput_with_concurrent_rid_requests(servers, capsys
 
     def send(rid: str, client: httpx.Client) -> None:
         prompt = [(k * 7 + len(rid)) % 1000 for k in range(tokens)]
-        reply = client.post(server.url + "/generate", json={"input_ids": prompt, "rid": rid,
-                                                            "sampling_params": {"max_new_tokens": 0}})
+        reply = client.post(
+            server.url + "/generate", json={"input_ids": prompt, "rid": rid, "sampling_params": {"max_new_tokens": 0}}
+        )
         assert reply.status_code == 200, reply.text
 
     started = time.perf_counter()
@@ -288,9 +321,11 @@ def test_batching_raises_throughput_with_concurrent_rid_requests(servers, capsys
 
     stats = server.get("/get_server_info").json()["synthetic"]["stats"]
     with capsys.disabled():
-        print(f"\n[synthetic batching] {n} x {tokens}-token requests: serial {serial * 1000:.0f} ms "
-              f"({n / serial:.1f} req/s), concurrent {concurrent * 1000:.0f} ms ({n / concurrent:.1f} req/s), "
-              f"speed-up {serial / concurrent:.1f}x; batcher stats {stats}")
+        print(
+            f"\n[synthetic batching] {n} x {tokens}-token requests: serial {serial * 1000:.0f} ms "
+            f"({n / serial:.1f} req/s), concurrent {concurrent * 1000:.0f} ms ({n / concurrent:.1f} req/s), "
+            f"speed-up {serial / concurrent:.1f}x; batcher stats {stats}"
+        )
     assert stats["largest_batch"] > 1
     assert serial / concurrent > 1.5
     for k in range(n):
@@ -298,8 +333,15 @@ def test_batching_raises_throughput_with_concurrent_rid_requests(servers, capsys
         assert meta["num_tokens"] == tokens and meta["rid"] == f"concurrent-{k}"
 
 
-@pytest.mark.parametrize("argv", [["--hidden-size", "8"], ["--max-batch", "4"], ["--synthetic", "--model", "/x"],
-                                  ["--synthetic", "--chunked-prefill-size", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--hidden-size", "8"],
+        ["--max-batch", "4"],
+        ["--synthetic", "--model", "/x"],
+        ["--synthetic", "--chunked-prefill-size", "0"],
+    ],
+)
 def test_usage_errors(argv):
-    out = subprocess.run([sys.executable, "-m", "app.reference", *argv], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "hsx.reference", *argv], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "error:" in out.stderr

@@ -12,9 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors import safe_open
-
-from app.sdk import (
+from hsx.sdk import (
     AsyncHsxClient,
     ChecksumMismatch,
     Conflict,
@@ -30,7 +28,9 @@ from app.sdk import (
     ServerError,
     Unauthorized,
 )
-from app.sdk.errors import error_from_response
+from hsx.sdk.errors import error_from_response
+from safetensors import safe_open
+
 from tests.support.procs import free_port
 from tests.support.stack import start_reference, start_service
 from tests.test_extraction_e2e import make_samples
@@ -41,8 +41,14 @@ WRITE, READ = "sdk-writer", "sdk-reader"
 def start_stack(tmp: Path, checkpoint: Path, extra: list[str] | None = None):
     """Reference server and service (SQLite) started side by side; returns once the writer is ready."""
     port, dump_root = free_port(), tmp / "dumps"
-    svc = start_service(tmp, f"sqlite:///{tmp / 'hsx.db'}", backend_url=f"http://127.0.0.1:{port}",
-                        dump_root=dump_root, extra=extra, wait=False)
+    svc = start_service(
+        tmp,
+        f"sqlite:///{tmp / 'hsx.db'}",
+        backend_url=f"http://127.0.0.1:{port}",
+        dump_root=dump_root,
+        extra=extra,
+        wait=False,
+    )
     try:
         ref = start_reference(tmp, checkpoint, dump_root=dump_root, port=port)
     except BaseException:
@@ -68,9 +74,11 @@ def stop_stack(*parts) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, checkpoint):
-    svc, ref = start_stack(tmp_path_factory.mktemp("sdk"), checkpoint,
-                           ["--shard-max-bytes", "60000", "--max-json-bytes", "200000",
-                            "--api-tokens", f"{WRITE},{READ}:read"])
+    svc, ref = start_stack(
+        tmp_path_factory.mktemp("sdk"),
+        checkpoint,
+        ["--shard-max-bytes", "60000", "--max-json-bytes", "200000", "--api-tokens", f"{WRITE},{READ}:read"],
+    )
     yield svc
     stop_stack(svc, ref)
 
@@ -141,8 +149,13 @@ def test_typed_errors(stack, hsx, done):
         hsx.retry(job)
 
     with pytest.raises(InvalidInput) as exc:
-        hsx.create_job([{"id": "ok", "input_ids": [1, 2]}, {"id": "bad", "input_ids": [1, 2], "loss_mask": [1]},
-                        {"id": "worse", "input_ids": []}])
+        hsx.create_job(
+            [
+                {"id": "ok", "input_ids": [1, 2]},
+                {"id": "bad", "input_ids": [1, 2], "loss_mask": [1]},
+                {"id": "worse", "input_ids": []},
+            ]
+        )
     err = exc.value
     assert err.status == 422 and err.type == "/problems/invalid-input" and err.title == "Invalid input"
     assert {e["sample_index"] for e in err.errors} == {1, 2}
@@ -184,8 +197,7 @@ def test_submit_jsonl_streams_and_idempotency(stack, hsx, tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in samples))
     reader = ChunkReader(path)
-    job = hsx.submit_jsonl(reader, name="streamed", layers=[2, 4, 5, 8], idempotency_key="sdk-nd",
-                           chunk_size=256)
+    job = hsx.submit_jsonl(reader, name="streamed", layers=[2, 4, 5, 8], idempotency_key="sdk-nd", chunk_size=256)
     assert job.name == "streamed" and job.layers == [2, 4, 5, 8] and job.counts.total == 4
     assert len(reader.sizes) > 2 and all(0 < n <= 256 for n in reader.sizes)
     again = hsx.submit_jsonl(path, name="streamed", layers=[2, 4, 5, 8], idempotency_key="sdk-nd")
@@ -302,8 +314,9 @@ def test_download_resumes_with_range_and_verifies_sha256(stack, done, tmp_path):
         Path(f"{target}.part").write_bytes(data[:1000])
         rec.requests.clear()
         progress = []
-        assert client.download_shard(job, shard.name, target.parent,
-                                     on_progress=lambda *a: progress.append(a)) == target
+        assert (
+            client.download_shard(job, shard.name, target.parent, on_progress=lambda *a: progress.append(a)) == target
+        )
         assert rec.requests == [(shard.name, "bytes=1000-")]
         assert target.read_bytes() == data and not Path(f"{target}.part").exists()
         assert progress[0] == (shard.name, 1000, shard.bytes) and progress[-1][1:] == (shard.bytes, shard.bytes)
@@ -348,7 +361,7 @@ def test_download_resumes_with_range_and_verifies_sha256(stack, done, tmp_path):
         tensors = client.sample_tensors(job, entry.id)
         with safe_open(str(out / entry.shard), framework="pt") as f:
             for key, value in tensors.items():
-                assert torch.equal(value, f.get_slice(key)[entry.offset:entry.offset + entry.num_tokens])
+                assert torch.equal(value, f.get_slice(key)[entry.offset : entry.offset + entry.num_tokens])
         assert tensors["input_ids"].tolist() == samples[3]["input_ids"]
         assert set(tensors) == {"input_ids", "loss_mask", "layer_2", "layer_4", "layer_5", "layer_8"}
 

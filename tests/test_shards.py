@@ -13,13 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hsx.storage import shards, sink
+from hsx.storage.manifest import read_sample
+from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
+from hsx.storage.shards import SHARD_FORMAT, NonFiniteSamples, ShardSample, shard_name, write_shard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
-from app.storage import shards, sink
-from app.storage.manifest import read_sample
-from app.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
-from app.storage.shards import SHARD_FORMAT, NonFiniteSamples, ShardSample, shard_name, write_shard
 
 LAYERS = [3, 1]  # deliberately not sorted: the shard follows the order it is given
 HIDDEN = 6
@@ -55,12 +54,21 @@ class Fixture:
         # sample 1: raw bytes (a legacy .pt dump)
         # sample 2: each layer in its own file
         self.samples = [
-            ShardSample(self.ids[0], self.input_ids[0], self.masks[0],
-                        {i: span_from_file(f0, t0, f"layer_{i}") for i in LAYERS}),
+            ShardSample(
+                self.ids[0], self.input_ids[0], self.masks[0], {i: span_from_file(f0, t0, f"layer_{i}") for i in LAYERS}
+            ),
             ShardSample(self.ids[1], self.input_ids[1], self.masks[1], {i: raw(self.tensors[i][1]) for i in LAYERS}),
-            ShardSample(self.ids[2], self.input_ids[2], self.masks[2],
-                        {i: span_from_file(src / f"c{i}-{seed}.safetensors", {f"layer_{i}": self.tensors[i][2]},
-                                           f"layer_{i}") for i in LAYERS}),
+            ShardSample(
+                self.ids[2],
+                self.input_ids[2],
+                self.masks[2],
+                {
+                    i: span_from_file(
+                        src / f"c{i}-{seed}.safetensors", {f"layer_{i}": self.tensors[i][2]}, f"layer_{i}"
+                    )
+                    for i in LAYERS
+                },
+            ),
         ]
         assert all(isinstance(sp, TensorSpan) for k in (0, 2) for sp in self.samples[k].layers.values())
 
@@ -81,7 +89,7 @@ def dir_listing(d: Path) -> list[str]:
 def header_of(path: Path) -> tuple[int, dict]:
     blob = path.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
-    return n, json.loads(blob[8:8 + n])
+    return n, json.loads(blob[8 : 8 + n])
 
 
 # --- write_shard ----------------------------------------------------------------------------------
@@ -126,7 +134,7 @@ def test_write_shard_data_is_8_byte_aligned(tmp_path, id_len):
     write_shard(path, fx.samples, LAYERS, "bfloat16", HIDDEN)
     n, header = header_of(path)
     assert (8 + n) % 8 == 0
-    assert path.read_bytes()[8:8 + n].decode().rstrip(" ") == json.dumps(header, separators=(",", ":"))
+    assert path.read_bytes()[8 : 8 + n].decode().rstrip(" ") == json.dumps(header, separators=(",", ":"))
     assert json.loads(header["__metadata__"]["sample_ids"])[0] == "x" * id_len
     for name, e in header.items():
         if name != "__metadata__":
@@ -320,9 +328,16 @@ def test_read_index_byte_range_must_match_shape_and_file(tmp_path, e):
 
 @pytest.mark.parametrize(
     "e",
-    [{"dtype": "F32", "shape": [8]}, {"shape": [8], "data_offsets": [0, 32]}, {"dtype": "F32", "data_offsets": [0, 32]},
-     {"dtype": "F32", "shape": 8, "data_offsets": [0, 32]}, {"dtype": "F32", "shape": [8], "data_offsets": [0]},
-     {"dtype": "C64", "shape": [4], "data_offsets": [0, 32]}, [1, 2, 3], "x"],
+    [
+        {"dtype": "F32", "shape": [8]},
+        {"shape": [8], "data_offsets": [0, 32]},
+        {"dtype": "F32", "data_offsets": [0, 32]},
+        {"dtype": "F32", "shape": 8, "data_offsets": [0, 32]},
+        {"dtype": "F32", "shape": [8], "data_offsets": [0]},
+        {"dtype": "C64", "shape": [4], "data_offsets": [0, 32]},
+        [1, 2, 3],
+        "x",
+    ],
     ids=["no-offsets", "no-dtype", "no-shape", "shape-int", "one-offset", "unknown-dtype", "list", "str"],
 )
 def test_read_index_malformed_entry(tmp_path, e):
@@ -368,8 +383,10 @@ def test_non_finite_samples_are_named_and_no_shard_is_left(tmp_path):
         f.write(raw(with_inf))
     with pytest.raises(NonFiniteSamples) as ei:
         write_shard(path, fx.samples, LAYERS, "bfloat16", HIDDEN)
-    assert ei.value.reasons == {"s-b": f"layer_{LAYERS[1]} holds NaN or Inf",
-                                "s-c": f"layer_{LAYERS[0]} holds NaN or Inf"}
+    assert ei.value.reasons == {
+        "s-b": f"layer_{LAYERS[1]} holds NaN or Inf",
+        "s-c": f"layer_{LAYERS[0]} holds NaN or Inf",
+    }
     assert dir_listing(out) == []
     info = write_shard(path, fx.samples[:1], LAYERS, "bfloat16", HIDDEN)
     loaded = load_file(str(path))
@@ -385,8 +402,14 @@ def test_direct_and_buffered_writes_give_the_same_shard(tmp_path, monkeypatch):
     samples = []
     for k, n in enumerate([900, 1201, 7]):
         ids = np.arange(n, dtype=np.int64) + 10_000 * k
-        samples.append(ShardSample(f"s{k}", ids, np.ones(n, dtype=np.int64),
-                                   {i: rng.standard_normal((n, hidden)).astype(np.float16).tobytes() for i in layers}))
+        samples.append(
+            ShardSample(
+                f"s{k}",
+                ids,
+                np.ones(n, dtype=np.int64),
+                {i: rng.standard_normal((n, hidden)).astype(np.float16).tobytes() for i in layers},
+            )
+        )
     direct = write_shard(tmp_path / "direct" / shard_name(0), samples, layers, "float16", hidden)
     assert direct.bytes > 2 * sink.BUFFER_BYTES and direct.bytes % sink.BLOCK
     monkeypatch.setattr(shards, "open_sink", sink.BufferedSink)

@@ -6,12 +6,12 @@ import threading
 
 import numpy as np
 import pytest
+from hsx.db import repository as repo
+from hsx.db.engine import make_engine, session_factory, upgrade
+from hsx.db.models import SampleRow
 from sqlalchemy import event, update
 from sqlalchemy.exc import IntegrityError
 
-from app.db import repository as repo
-from app.db.engine import make_engine, session_factory, upgrade
-from app.db.models import Sample
 from tests.support.stack import start_service
 
 
@@ -56,8 +56,11 @@ def test_one_running_sample_per_writer(sessions):
     # The partial unique index refuses a second running sample for a writer, whatever the code does.
     with pytest.raises(IntegrityError):
         with sessions.begin() as s:
-            s.execute(update(Sample).where(Sample.job_id == job.id, Sample.idx == 2)
-                      .values(state="running", writer="host:/dump/a"))
+            s.execute(
+                update(SampleRow)
+                .where(SampleRow.job_id == job.id, SampleRow.idx == 2)
+                .values(state="running", writer="host:/dump/a")
+            )
     with sessions() as s:
         j = repo.get_job(s, job.id)
         assert (j.n_queued, j.n_running, j.state) == (1, 2, "running")
@@ -126,13 +129,20 @@ def test_recovery_requeues_running_and_lost_staged(sessions, tmp_path):
     (kept_dir / "done").touch()
     with sessions.begin() as s:
         a = repo.claim_next(s, "w")
-        repo.mark_staged(s, a, writer="w", staged_path=str(kept_dir), observed_tokens=a.num_tokens,
-                         dump_key="req_1", boot_id="b")
+        repo.mark_staged(
+            s, a, writer="w", staged_path=str(kept_dir), observed_tokens=a.num_tokens, dump_key="req_1", boot_id="b"
+        )
     with sessions.begin() as s:
         b = repo.claim_next(s, "w")
-        repo.mark_staged(s, b, writer="w", staged_path=str(tmp_path / "gone"), observed_tokens=b.num_tokens,
-                         dump_key="req_2",
-                         boot_id="b")
+        repo.mark_staged(
+            s,
+            b,
+            writer="w",
+            staged_path=str(tmp_path / "gone"),
+            observed_tokens=b.num_tokens,
+            dump_key="req_2",
+            boot_id="b",
+        )
     with sessions.begin() as s:
         repo.claim_next(s, "w")  # running when the "crash" happens
     with sessions.begin() as s:
@@ -200,8 +210,9 @@ def test_cancel_retry_and_fail_move_a_large_job_in_one_statement(sessions):
         builder = repo.JobBuilder(s, name=None, layers=None)
         builder.add([repo.NewSample(f"s{i}", ids, None, 3) for i in range(n)])
         cancelled = builder.finish().id
-        other = repo.create_job(s, name=None, layers=None,
-                                samples=[repo.NewSample(f"s{i}", ids, None, 3) for i in range(n)]).id
+        other = repo.create_job(
+            s, name=None, layers=None, samples=[repo.NewSample(f"s{i}", ids, None, 3) for i in range(n)]
+        ).id
     sizes: list[int] = []
 
     def record(conn, cursor, statement, parameters, context, executemany):

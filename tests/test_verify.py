@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from hsx.cli import main as hsx
+from hsx.storage.safetensors_raw import read_index
+from hsx.verify import verify_job
 
-from app.cli import main as hsx
-from app.storage.safetensors_raw import read_index
-from app.verify import verify_job
 from tests.support.jobs import make_job, random_samples
 
 
@@ -197,7 +197,7 @@ def test_reads_rows_a_chunk_at_a_time(job, monkeypatch):
         def metadata(self):
             return self.f.metadata()
 
-    monkeypatch.setattr("app.verify.safe_open", SliceOnly)
+    monkeypatch.setattr("hsx.verify.safe_open", SliceOnly)
     monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("a shard was loaded whole"))
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load used"))
     assert verify_job(job.job_dir, chunk_rows=3).summary["samples_read"] == 5

@@ -8,17 +8,16 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse
+from hsx.api import jobs, problems, security
+from hsx.api.backend_info import BackendInfo
+from hsx.api.deps import ReadSessionDep
+from hsx.api.schemas import Health, JobCreate
+from hsx.config import Settings
+from hsx.db import repository as repo
+from hsx.db.engine import make_engine, session_factory, upgrade
+from hsx.db.models import SAMPLE_STATES, JobRow
+from hsx.scheduler.writer import Writer
 from sqlalchemy import func, select, text
-
-from app.api import jobs, problems, security
-from app.api.backend_info import BackendInfo
-from app.api.deps import ReadSessionDep
-from app.api.schemas import Health, JobCreate
-from app.config import Settings
-from app.db import repository as repo
-from app.db.engine import make_engine, session_factory, upgrade
-from app.db.models import SAMPLE_STATES, Job
-from app.scheduler.writer import Writer
 
 log = logging.getLogger("hsx.api")
 
@@ -62,29 +61,49 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
         w = app.state.writer
         status = None
         if w is not None:
-            status = {"identity": w.identity, "state": w.status.state, "reason": w.status.reason,
-                      "server": w.status.server}
+            status = {
+                "identity": w.identity,
+                "state": w.status.state,
+                "reason": w.status.reason,
+                "server": w.status.server,
+            }
         writers = []
         if db == "ok":
-            writers = [{"identity": w.identity, "state": w.state, "reason": w.reason, "server": w.server,
-                        "heartbeat_at": w.heartbeat_at.isoformat()} for w in repo.live_writers(session)]
+            writers = [
+                {
+                    "identity": w.identity,
+                    "state": w.state,
+                    "reason": w.reason,
+                    "server": w.server,
+                    "heartbeat_at": w.heartbeat_at.isoformat(),
+                }
+                for w in repo.live_writers(session)
+            ]
         ok = db == "ok" and (status is None or status["state"] == "ready")
         return Health(status="ok" if ok else "degraded", database=db, writer=status, writers=writers)
 
-    @app.get("/metrics", response_class=PlainTextResponse, tags=["health"],
-             summary="Prometheus metrics: samples by state, tokens per second, backend latency, retries by reason")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        tags=["health"],
+        summary="Prometheus metrics: samples by state, tokens per second, backend latency, retries by reason",
+    )
     def metrics(session: ReadSessionDep) -> PlainTextResponse:
         lines = ["# HELP hsx_jobs Jobs by state.", "# TYPE hsx_jobs gauge"]
-        for state, n in session.execute(select(Job.state, func.count()).group_by(Job.state)).all():
+        for state, n in session.execute(select(JobRow.state, func.count()).group_by(JobRow.state)).all():
             lines.append(f'hsx_jobs{{state="{state}"}} {n}')
-        sums = session.execute(select(*[func.coalesce(func.sum(getattr(Job, f"n_{s}")), 0)
-                                        for s in SAMPLE_STATES])).one()
+        sums = session.execute(
+            select(*[func.coalesce(func.sum(getattr(JobRow, f"n_{s}")), 0) for s in SAMPLE_STATES])
+        ).one()
         lines += ["# HELP hsx_samples Samples by state, over all jobs.", "# TYPE hsx_samples gauge"]
         lines += [f'hsx_samples{{state="{s}"}} {n}' for s, n in zip(SAMPLE_STATES, sums)]
         if app.state.writer is not None:
             w = app.state.writer
-            lines += ["# HELP hsx_writer_ready Whether the dump-root writer can extract now.",
-                      "# TYPE hsx_writer_ready gauge", f"hsx_writer_ready {int(w.status.state == 'ready')}"]
+            lines += [
+                "# HELP hsx_writer_ready Whether the dump-root writer can extract now.",
+                "# TYPE hsx_writer_ready gauge",
+                f"hsx_writer_ready {int(w.status.state == 'ready')}",
+            ]
             lines += w.metrics.render()
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

@@ -6,8 +6,7 @@ import threading
 import time
 
 import httpx
-
-from app.api.intake import Limits
+from hsx.api.intake import Limits
 
 TTL_S = 30.0
 FAILURE_TTL_S = 5.0
@@ -34,9 +33,13 @@ class BackendInfo:
                 server = httpx.get(self.base_url + "/get_server_info", timeout=2.0).raise_for_status().json()
                 max_tokens = server.get("max_req_input_len") or model.get("max_position_embeddings")
                 dump = server.get("hs_dump") or {}
-                self._limits = Limits(vocab_size=model.get("vocab_size"), max_tokens=max_tokens,
-                                      layers=dump.get("layers"), hidden_size=model.get("hidden_size"),
-                                      dtype=dump.get("dtype") or model.get("dtype"))
+                self._limits = Limits(
+                    vocab_size=model.get("vocab_size"),
+                    max_tokens=max_tokens,
+                    layers=dump.get("layers"),
+                    hidden_size=model.get("hidden_size"),
+                    dtype=dump.get("dtype") or model.get("dtype"),
+                )
                 self._expires = time.monotonic() + TTL_S
             except (httpx.HTTPError, ValueError):
                 self._limits = Limits()

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Iterator
 
 from fastapi import Depends, Request
+from hsx.config import Settings
 from sqlalchemy.orm import Session
-
-from app.config import Settings
 
 
 def get_session(request: Request) -> Iterator[Session]:

@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+from hsx.api.problems import InvalidInput, ProblemError
+from hsx.api.schemas import SampleIn
+from hsx.db.models import JobRow
+from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
-
-from app.api.problems import InvalidInput, ProblemError
-from app.api.schemas import SampleIn
-from app.db.models import Job
-from app.db.repository import JobBuilder, NewSample, pending_output_bytes
 
 ITEMSIZE_BY_NAME = {"bfloat16": 2, "float16": 2, "float32": 4}
 MAX_TOKEN_ID = 2**31 - 1
@@ -50,14 +49,23 @@ class Limits:
 class Ingest:
     """Check samples one by one and insert them in batches through a JobBuilder."""
 
-    def __init__(self, session: Session, limits: Limits, *, name: str | None, layers: list[int] | None,
-                 idempotency_key: str | None = None, request_sha256: str | None = None,
-                 disk: DiskCheck | None = None):
+    def __init__(
+        self,
+        session: Session,
+        limits: Limits,
+        *,
+        name: str | None,
+        layers: list[int] | None,
+        idempotency_key: str | None = None,
+        request_sha256: str | None = None,
+        disk: DiskCheck | None = None,
+    ):
         self.limits = limits
         self.layers = layers
         self.disk = disk
-        self.builder = JobBuilder(session, name=name, layers=layers, idempotency_key=idempotency_key,
-                                  request_sha256=request_sha256)
+        self.builder = JobBuilder(
+            session, name=name, layers=layers, idempotency_key=idempotency_key, request_sha256=request_sha256
+        )
         self.errors: list[dict] = []
         self.batch: list[NewSample] = []
         self.count = 0
@@ -77,7 +85,7 @@ class Ingest:
         if len(self.errors) >= MAX_ERRORS:
             raise InvalidInput(self.errors[:MAX_ERRORS])
 
-    def finish(self) -> Job:
+    def finish(self) -> JobRow:
         if self.errors:
             raise InvalidInput(self.errors[:MAX_ERRORS])
         if self.count == 0:
@@ -152,12 +160,20 @@ class DiskCheck:
         pending = pending_output_bytes(session)
         if needed + pending <= free:
             return None
-        text = (f"the job needs about {needed:,} bytes and active jobs {pending:,} more, but the output volume "
-                f"({self.output_root}) has {free:,} bytes free")
+        text = (
+            f"the job needs about {needed:,} bytes and active jobs {pending:,} more, but the output volume "
+            f"({self.output_root}) has {free:,} bytes free"
+        )
         if self.mode == "warn":
             return text
-        raise ProblemError(507, text, type_="/problems/insufficient-storage", needed_bytes=needed,
-                           pending_bytes=pending, free_bytes=free)
+        raise ProblemError(
+            507,
+            text,
+            type_="/problems/insufficient-storage",
+            needed_bytes=needed,
+            pending_bytes=pending,
+            free_bytes=free,
+        )
 
 
 def body_items(samples: list[SampleIn]) -> Iterator[tuple[int, SampleIn, dict]]:
@@ -171,8 +187,19 @@ def parse_line(index: int, lineno: int, line: bytes | str) -> tuple[int, SampleI
     try:
         return index, SampleIn.model_validate_json(line, strict=True), {"line": lineno}
     except ValidationError as exc:
-        return index, [{"sample_index": index, "line": lineno, "field": ".".join(str(p) for p in e["loc"]) or "sample",
-                        "message": e["msg"]} for e in exc.errors()], {}
+        return (
+            index,
+            [
+                {
+                    "sample_index": index,
+                    "line": lineno,
+                    "field": ".".join(str(p) for p in e["loc"]) or "sample",
+                    "message": e["msg"],
+                }
+                for e in exc.errors()
+            ],
+            {},
+        )
 
 
 def numbered_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, SampleIn | list[dict], dict]]:

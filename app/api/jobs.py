@@ -13,15 +13,10 @@ from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
-from pydantic import ValidationError
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
-
-from app.api import intake
-from app.api.deps import ReadSessionDep, SessionDep, SettingsDep
-from app.api.problems import PROBLEM_MEDIA_TYPE, InvalidInput, NotFound, ProblemError, errors_from_pydantic
-from app.api.schemas import (
+from hsx.api import intake
+from hsx.api.deps import ReadSessionDep, SessionDep, SettingsDep
+from hsx.api.problems import PROBLEM_MEDIA_TYPE, InvalidInput, NotFound, ProblemError, errors_from_pydantic
+from hsx.api.schemas import (
     AttemptOut,
     Counts,
     JobCreate,
@@ -35,22 +30,36 @@ from app.api.schemas import (
     check_layers,
     utc,
 )
-from app.config import Settings
-from app.db import repository as repo
-from app.db.models import TERMINAL_JOB_STATES, Job, Sample
-from app.manifests import finish_job, job_dir, manifest_document
+from hsx.config import Settings
+from hsx.db import repository as repo
+from hsx.db.models import TERMINAL_JOB_STATES, JobRow, SampleRow
+from hsx.manifests import finish_job, job_dir, manifest_document
+from pydantic import ValidationError
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
 def _problems(*codes: int) -> dict:
-    text = {401: "Missing or unknown token", 403: "Not allowed", 404: "Not found", 409: "Not allowed in this state",
-            413: "Body too large", 415: "Unsupported media type", 416: "Range not satisfiable",
-            422: "Invalid input", 503: "Database unavailable; retry after Retry-After seconds",
-            507: "Not enough room on the output volume"}
+    text = {
+        401: "Missing or unknown token",
+        403: "Not allowed",
+        404: "Not found",
+        409: "Not allowed in this state",
+        413: "Body too large",
+        415: "Unsupported media type",
+        416: "Range not satisfiable",
+        422: "Invalid input",
+        503: "Database unavailable; retry after Retry-After seconds",
+        507: "Not enough room on the output volume",
+    }
     schema = {"$ref": "#/components/schemas/Problem"}
-    return {c: {"description": text[c], "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}}}
-            for c in (401, 403, 503, *codes)}
+    return {
+        c: {"description": text[c], "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}}}
+        for c in (401, 403, 503, *codes)
+    }
 
 
 CREATE_BODY = {
@@ -60,15 +69,15 @@ CREATE_BODY = {
             "application/json": {"schema": {"$ref": "#/components/schemas/JobCreate"}},
             "application/x-ndjson": {
                 "schema": {"type": "string", "format": "binary"},
-                "description": "one sample object per line ({\"id\"?, \"input_ids\", \"loss_mask\"?}); "
-                               "job name and layers come from the query string",
+                "description": 'one sample object per line ({"id"?, "input_ids", "loss_mask"?}); '
+                "job name and layers come from the query string",
             },
         },
     }
 }
 
 
-def job_out(job: Job, waiting: str | None = None) -> JobOut:
+def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
     """The API's view of a job; `waiting` is why active jobs make no progress (see repo.waiting_reason)."""
     rate = eta = None
     started = utc(job.started_at)
@@ -80,31 +89,67 @@ def job_out(job: Job, waiting: str | None = None) -> JobOut:
             rate = extracted / elapsed
             eta = 0.0 if job.finished_at else (job.tokens_total - extracted) / rate
     return JobOut(
-        id=job.id, name=job.name, state=job.state, error=job.error, created_at=utc(job.created_at),
+        id=job.id,
+        name=job.name,
+        state=job.state,
+        error=job.error,
+        created_at=utc(job.created_at),
         waiting_reason=waiting if job.state in ("queued", "running") and (job.n_queued or job.n_running) else None,
-        started_at=started, cancel_requested_at=utc(job.cancel_requested_at), finished_at=utc(job.finished_at),
-        counts=Counts(total=job.num_samples, queued=job.n_queued, running=job.n_running, staged=job.n_staged,
-                      succeeded=job.n_succeeded, failed=job.n_failed, cancelled=job.n_cancelled),
+        started_at=started,
+        cancel_requested_at=utc(job.cancel_requested_at),
+        finished_at=utc(job.finished_at),
+        counts=Counts(
+            total=job.num_samples,
+            queued=job.n_queued,
+            running=job.n_running,
+            staged=job.n_staged,
+            succeeded=job.n_succeeded,
+            failed=job.n_failed,
+            cancelled=job.n_cancelled,
+        ),
         tokens=Tokens(total=job.tokens_total, done=job.tokens_done, staged=job.tokens_staged),
-        rate_tokens_per_s=rate, eta_s=eta,
-        shards_written=job.shards_written, estimated_bytes=job.estimated_bytes, disk_warning=job.disk_warning,
-        layers=job.layers, model=job.model_info,
+        rate_tokens_per_s=rate,
+        eta_s=eta,
+        shards_written=job.shards_written,
+        estimated_bytes=job.estimated_bytes,
+        disk_warning=job.disk_warning,
+        layers=job.layers,
+        model=job.model_info,
         manifest_url=f"/v1/jobs/{job.id}/manifest",
     )
 
 
-def sample_out(s: Sample, attempts=None) -> SampleOut:
+def sample_out(s: SampleRow, attempts=None) -> SampleOut:
     log = None
     if attempts is not None:
-        log = [AttemptOut(number=a.number, outcome=a.outcome, reason=a.reason, started_at=utc(a.started_at),
-                          finished_at=utc(a.finished_at), dump=a.dump_key, observed_tokens=a.observed_tokens,
-                          boot_id=a.boot_id) for a in attempts]
-    return SampleOut(id=s.sample_id, index=s.idx, state=s.state, expected_tokens=s.num_tokens,
-                     observed_tokens=s.observed_tokens, attempts=s.attempts, last_error=s.last_error,
-                     shard=s.shard, offset=s.shard_offset, attempt_log=log)
+        log = [
+            AttemptOut(
+                number=a.number,
+                outcome=a.outcome,
+                reason=a.reason,
+                started_at=utc(a.started_at),
+                finished_at=utc(a.finished_at),
+                dump=a.dump_key,
+                observed_tokens=a.observed_tokens,
+                boot_id=a.boot_id,
+            )
+            for a in attempts
+        ]
+    return SampleOut(
+        id=s.sample_id,
+        index=s.idx,
+        state=s.state,
+        expected_tokens=s.num_tokens,
+        observed_tokens=s.observed_tokens,
+        attempts=s.attempts,
+        last_error=s.last_error,
+        shard=s.shard,
+        offset=s.shard_offset,
+        attempt_log=log,
+    )
 
 
-def _job(session: Session, job_id: str) -> Job:
+def _job(session: Session, job_id: str) -> JobRow:
     job = repo.get_job(session, job_id)
     if job is None:
         raise NotFound(f"job {job_id!r}")
@@ -114,16 +159,21 @@ def _job(session: Session, job_id: str) -> Job:
 # --- creation -------------------------------------------------------------------------------
 
 
-def _replay(job: Job, digest: str) -> JobOut:
+def _replay(job: JobRow, digest: str) -> JobOut:
     """The answer to a request whose Idempotency-Key was seen before."""
     if job.request_sha256 != digest:
-        raise ProblemError(422, "this Idempotency-Key was already used with a different request",
-                           type_="/problems/idempotency-key-reused", field="Idempotency-Key")
+        raise ProblemError(
+            422,
+            "this Idempotency-Key was already used with a different request",
+            type_="/problems/idempotency-key-reused",
+            field="Idempotency-Key",
+        )
     return job_out(job)
 
 
-def _create_sync(sessions: sessionmaker, settings: Settings, limits: intake.Limits, body: JobCreate,
-                 key: str | None, digest: str) -> JobOut:
+def _create_sync(
+    sessions: sessionmaker, settings: Settings, limits: intake.Limits, body: JobCreate, key: str | None, digest: str
+) -> JobOut:
     if key:
         with sessions() as s:
             existing = repo.job_by_idempotency_key(s, key)
@@ -132,12 +182,20 @@ def _create_sync(sessions: sessionmaker, settings: Settings, limits: intake.Limi
     if body.samples is not None:
         items = intake.body_items(body.samples)
     else:
-        items = intake.numbered_lines(intake.file_lines(intake.resolve_input_path(settings.input_root,
-                                                                                  body.input_path)))
+        items = intake.numbered_lines(
+            intake.file_lines(intake.resolve_input_path(settings.input_root, body.input_path))
+        )
     try:
         with sessions.begin() as s:
-            ingest = intake.Ingest(s, limits, name=body.name, layers=body.layers, idempotency_key=key,
-                                   request_sha256=digest, disk=_disk_check(settings))
+            ingest = intake.Ingest(
+                s,
+                limits,
+                name=body.name,
+                layers=body.layers,
+                idempotency_key=key,
+                request_sha256=digest,
+                disk=_disk_check(settings),
+            )
             for item in items:
                 ingest.feed(*item)
             return job_out(ingest.finish())
@@ -169,8 +227,14 @@ async def _lines(request: Request, limit: int, digest) -> AsyncIterator[bytes]:
         yield rest
 
 
-async def _create_from_ndjson(request: Request, settings: Settings, limits: intake.Limits, name: str | None,
-                              layers: list[int] | None, key: str | None) -> JobOut:
+async def _create_from_ndjson(
+    request: Request,
+    settings: Settings,
+    limits: intake.Limits,
+    name: str | None,
+    layers: list[int] | None,
+    key: str | None,
+) -> JobOut:
     sessions = request.app.state.sessions
     digest = hashlib.sha256(json.dumps(["ndjson", name, layers]).encode())
     if key:
@@ -182,8 +246,9 @@ async def _create_from_ndjson(request: Request, settings: Settings, limits: inta
     session = sessions()
     try:
         session.begin()
-        ingest = await run_in_threadpool(intake.Ingest, session, limits, name=name, layers=layers,
-                                         idempotency_key=key, disk=_disk_check(settings))
+        ingest = await run_in_threadpool(
+            intake.Ingest, session, limits, name=name, layers=layers, idempotency_key=key, disk=_disk_check(settings)
+        )
         batch, index, lineno = [], 0, 0
         async for line in _lines(request, settings.max_ndjson_bytes, digest):
             lineno += 1
@@ -222,19 +287,24 @@ def _feed(ingest: intake.Ingest, batch: list) -> None:
         ingest.feed(*item)
 
 
-def _find_key(sessions: sessionmaker, key: str) -> Job | None:
+def _find_key(sessions: sessionmaker, key: str) -> JobRow | None:
     with sessions() as s:
         return repo.job_by_idempotency_key(s, key)
 
 
-@router.post("", status_code=202, response_model=JobOut, responses=_problems(413, 415, 422, 507),
-             openapi_extra=CREATE_BODY,
-             summary="Create an extraction job",
-             description="Samples inline (`samples`), from a JSONL file under the service's input root "
-                         "(`input_path`), or streamed as an `application/x-ndjson` body (one sample per line; "
-                         "then `name` and `layers` come from the query string). All samples are checked before "
-                         "anything is stored. With an `Idempotency-Key` header, repeating the same request "
-                         "returns the first job; the same key with another body is a 422.")
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobOut,
+    responses=_problems(413, 415, 422, 507),
+    openapi_extra=CREATE_BODY,
+    summary="Create an extraction job",
+    description="Samples inline (`samples`), from a JSONL file under the service's input root "
+    "(`input_path`), or streamed as an `application/x-ndjson` body (one sample per line; "
+    "then `name` and `layers` come from the query string). All samples are checked before "
+    "anything is stored. With an `Idempotency-Key` header, repeating the same request "
+    "returns the first job; the same key with another body is a 422.",
+)
 async def create_job(
     request: Request,
     settings: SettingsDep,
@@ -262,8 +332,9 @@ async def create_job(
     except ValidationError as exc:
         raise InvalidInput(errors_from_pydantic(exc.errors())) from None
     digest = hashlib.sha256(b"json\0" + raw).hexdigest()
-    out = await run_in_threadpool(_create_sync, request.app.state.sessions, settings, limits, body,
-                                  idempotency_key, digest)
+    out = await run_in_threadpool(
+        _create_sync, request.app.state.sessions, settings, limits, body, idempotency_key, digest
+    )
     _wake_writer(request)
     return out
 
@@ -287,8 +358,11 @@ def list_jobs(
     rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
     page = rows[:limit]
     waiting = repo.waiting_reason(session)
-    return JobPage(data=[job_out(j, waiting) for j in page], has_more=len(rows) > limit,
-                   next_after=page[-1].id if len(rows) > limit else None)
+    return JobPage(
+        data=[job_out(j, waiting) for j in page],
+        has_more=len(rows) > limit,
+        next_after=page[-1].id if len(rows) > limit else None,
+    )
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=_problems(404), summary="A job's state and progress")
@@ -297,9 +371,18 @@ def get_job(job_id: str, session: ReadSessionDep) -> JobOut:
     return job_out(job, repo.waiting_reason(session))
 
 
-@router.get("/{job_id}/events", responses={**_problems(404), 200: {"content": {"text/event-stream": {}},
-            "description": "`event: job` with the job as JSON whenever it changes; ends once it is finished"}},
-            response_class=StreamingResponse, summary="Live progress as server-sent events")
+@router.get(
+    "/{job_id}/events",
+    responses={
+        **_problems(404),
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "`event: job` with the job as JSON whenever it changes; ends once it is finished",
+        },
+    },
+    response_class=StreamingResponse,
+    summary="Live progress as server-sent events",
+)
 async def job_events(job_id: str, request: Request):
     sessions = request.app.state.read_sessions
 
@@ -331,8 +414,12 @@ async def job_events(job_id: str, request: Request):
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/{job_id}/samples", response_model=SamplePage, responses=_problems(404, 422),
-            summary="Per-sample state, token counts, attempts, errors and placement")
+@router.get(
+    "/{job_id}/samples",
+    response_model=SamplePage,
+    responses=_problems(404, 422),
+    summary="Per-sample state, token counts, attempts, errors and placement",
+)
 def list_samples(
     job_id: str,
     session: ReadSessionDep,
@@ -349,18 +436,29 @@ def list_samples(
         after_idx = anchor.idx
     rows = repo.list_samples(session, job_id, state=state, after_idx=after_idx, limit=limit + 1)
     page = rows[:limit]
-    return SamplePage(data=[sample_out(s) for s in page], has_more=len(rows) > limit,
-                      next_after=page[-1].sample_id if len(rows) > limit else None)
+    return SamplePage(
+        data=[sample_out(s) for s in page],
+        has_more=len(rows) > limit,
+        next_after=page[-1].sample_id if len(rows) > limit else None,
+    )
 
 
 # Sample ids may contain "/": they are the last, path-typed part of every URL that names one.
-@router.get("/{job_id}/tensors/{sample_id:path}", responses={**_problems(404, 409), 200: {
-    "content": {"application/octet-stream": {}}, "description": "safetensors: input_ids, loss_mask, layer_<i>"}},
-    response_class=Response, summary="One stored sample's tensors as a small safetensors file")
+@router.get(
+    "/{job_id}/tensors/{sample_id:path}",
+    responses={
+        **_problems(404, 409),
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "safetensors: input_ids, loss_mask, layer_<i>",
+        },
+    },
+    response_class=Response,
+    summary="One stored sample's tensors as a small safetensors file",
+)
 def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, settings: SettingsDep) -> Response:
+    from hsx.storage.manifest import read_rows
     from safetensors.torch import save
-
-    from app.storage.manifest import read_rows
 
     job = _job(session, job_id)
     s = repo.get_sample(session, job_id, sample_id)
@@ -370,14 +468,20 @@ def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, set
         raise ProblemError(409, f"sample {sample_id!r} is {s.state}, not stored")
     layers = (job.model_info or {}).get("layers", [])
     tensors = read_rows(job_dir(settings.output_root, job_id) / s.shard, s.shard_offset, s.num_tokens, layers)
-    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"sample_id": s.sample_id,
-                                                                           "job_id": job_id})
-    return Response(data, media_type="application/octet-stream",
-                    headers={"Content-Disposition": f'attachment; filename="sample-{s.idx}.safetensors"'})
+    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"sample_id": s.sample_id, "job_id": job_id})
+    return Response(
+        data,
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="sample-{s.idx}.safetensors"'},
+    )
 
 
-@router.get("/{job_id}/samples/{sample_id:path}", response_model=SampleOut, responses=_problems(404),
-            summary="One sample, with every attempt and its outcome")
+@router.get(
+    "/{job_id}/samples/{sample_id:path}",
+    response_model=SampleOut,
+    responses=_problems(404),
+    summary="One sample, with every attempt and its outcome",
+)
 def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOut:
     _job(session, job_id)
     s = repo.get_sample(session, job_id, sample_id)
@@ -386,8 +490,11 @@ def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOu
     return sample_out(s, repo.sample_attempts(session, s.pk))
 
 
-@router.get("/{job_id}/manifest", responses=_problems(404),
-            summary="The job's manifest: model, layers, shards (with sha256) and where each sample lies")
+@router.get(
+    "/{job_id}/manifest",
+    responses=_problems(404),
+    summary="The job's manifest: model, layers, shards (with sha256) and where each sample lies",
+)
 def get_manifest(job_id: str, session: ReadSessionDep) -> dict:
     return manifest_document(session, _job(session, job_id))
 
@@ -395,9 +502,15 @@ def get_manifest(job_id: str, session: ReadSessionDep) -> dict:
 RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
-@router.get("/{job_id}/shards/{name}", responses={**_problems(404, 416), 200: {
-    "content": {"application/octet-stream": {}}, "description": "the shard (safetensors); Range supported"}},
-    response_class=FileResponse, summary="Download one shard; supports Range, ETag (its sha256) and If-None-Match")
+@router.get(
+    "/{job_id}/shards/{name}",
+    responses={
+        **_problems(404, 416),
+        200: {"content": {"application/octet-stream": {}}, "description": "the shard (safetensors); Range supported"},
+    },
+    response_class=FileResponse,
+    summary="Download one shard; supports Range, ETag (its sha256) and If-None-Match",
+)
 def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: SettingsDep, request: Request):
     _job(session, job_id)
     # Only names recorded in the database are served, so no path from the URL reaches the disk.
@@ -412,8 +525,11 @@ def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: Setting
     if wanted is not None:
         m = RANGE.match(wanted.strip())
         if m and m.group(1) and int(m.group(1)) >= shard.bytes:
-            raise ProblemError(416, f"range starts past the end of the {shard.bytes}-byte shard",
-                               headers={"Content-Range": f"bytes */{shard.bytes}"})
+            raise ProblemError(
+                416,
+                f"range starts past the end of the {shard.bytes}-byte shard",
+                headers={"Content-Range": f"bytes */{shard.bytes}"},
+            )
     path = job_dir(settings.output_root, job_id) / shard.name
     return FileResponse(path, media_type="application/octet-stream", filename=shard.name, headers=headers)
 
@@ -421,23 +537,34 @@ def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: Setting
 # --- actions ----------------------------------------------------------------------------------
 
 
-@router.post("/{job_id}/cancel", response_model=JobOut, responses=_problems(404, 409),
-             summary="Cancel: queued samples are cancelled; the one in flight finishes and is stored")
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobOut,
+    responses=_problems(404, 409),
+    summary="Cancel: queued samples are cancelled; the one in flight finishes and is stored",
+)
 def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOut:
     with session.begin():
         job = _job(session, job_id)
         cancelled = repo.cancel_job(session, job_id)
         if cancelled is None:
-            raise ProblemError(409, f"job is {job.state}; only queued or running jobs can be cancelled",
-                               type_="/problems/invalid-transition")
+            raise ProblemError(
+                409,
+                f"job is {job.state}; only queued or running jobs can be cancelled",
+                type_="/problems/invalid-transition",
+            )
         # Nothing in flight: it ends now (else the writer ends it once its in-flight sample is stored).
         finish_job(session, job_id, settings.output_root)
         session.refresh(cancelled)
         return job_out(cancelled)
 
 
-@router.post("/{job_id}/retry", response_model=JobOut, responses=_problems(404, 409),
-             summary="Queue the job's failed samples again, with a fresh attempt budget")
+@router.post(
+    "/{job_id}/retry",
+    response_model=JobOut,
+    responses=_problems(404, 409),
+    summary="Queue the job's failed samples again, with a fresh attempt budget",
+)
 def retry_job(job_id: str, session: SessionDep, request: Request) -> JobOut:
     with session.begin():
         job = _job(session, job_id)
@@ -450,30 +577,40 @@ def retry_job(job_id: str, session: SessionDep, request: Request) -> JobOut:
     return out
 
 
-@router.delete("/{job_id}", status_code=204, response_class=Response, responses=_problems(404, 409),
-               summary="Delete a finished job's records, and with delete_files=true its shards and manifest")
-def delete_job(job_id: str, session: SessionDep, settings: SettingsDep,
-               delete_files: bool = False) -> Response:
+@router.delete(
+    "/{job_id}",
+    status_code=204,
+    response_class=Response,
+    responses=_problems(404, 409),
+    summary="Delete a finished job's records, and with delete_files=true its shards and manifest",
+)
+def delete_job(job_id: str, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:
     with session.begin():
         job = _job(session, job_id)
         done = repo.delete_job(session, job_id)
         if not done:
-            raise ProblemError(409, f"job is {job.state}; cancel it or let it finish first",
-                               type_="/problems/invalid-transition")
+            raise ProblemError(
+                409, f"job is {job.state}; cancel it or let it finish first", type_="/problems/invalid-transition"
+            )
     if delete_files:
         shutil.rmtree(job_dir(settings.output_root, job.id), ignore_errors=True)
     return Response(status_code=204)
 
 
-
-@router.post("/{job_id}/verify", responses=_problems(404, 409),
-             summary="Check every shard's sha256 and every sample's shapes, dtype and finite values")
+@router.post(
+    "/{job_id}/verify",
+    responses=_problems(404, 409),
+    summary="Check every shard's sha256 and every sample's shapes, dtype and finite values",
+)
 def verify(job_id: str, session: ReadSessionDep, settings: SettingsDep) -> dict:
-    from app.verify import verify_job
+    from hsx.verify import verify_job
 
     job = _job(session, job_id)
     folder = job_dir(settings.output_root, job.id)
     if not (folder / "manifest.json").exists():
-        raise ProblemError(409, f"job is {job.state}; its manifest is written once it is finished",
-                           type_="/problems/invalid-transition")
+        raise ProblemError(
+            409,
+            f"job is {job.state}; its manifest is written once it is finished",
+            type_="/problems/invalid-transition",
+        )
     return verify_job(folder).to_dict()

@@ -16,8 +16,16 @@ PROBLEM_MEDIA_TYPE = "application/problem+json"
 class ProblemError(Exception):
     """A business error that carries its HTTP status and problem fields."""
 
-    def __init__(self, status: int, detail: str, *, type_: str | None = None, title: str | None = None,
-                 headers: dict[str, str] | None = None, **extra):
+    def __init__(
+        self,
+        status: int,
+        detail: str,
+        *,
+        type_: str | None = None,
+        title: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra,
+    ):
         super().__init__(detail)
         self.status = status
         self.headers = headers
@@ -45,8 +53,9 @@ class NotFound(ProblemError):
         super().__init__(404, f"{what} not found")
 
 
-def problem_response(status: int, title: str, detail: str, type_: str, headers: dict | None = None,
-                     **extra) -> JSONResponse:
+def problem_response(
+    status: int, title: str, detail: str, type_: str, headers: dict | None = None, **extra
+) -> JSONResponse:
     body = {"type": type_, "title": title, "status": status, "detail": detail, **extra}
     return JSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
 
@@ -68,11 +77,23 @@ PROBLEM_SCHEMA = {
     "type": "object",
     "description": "RFC 9457 problem details",
     "properties": {
-        "type": {"type": "string"}, "title": {"type": "string"}, "status": {"type": "integer"},
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
         "detail": {"type": "string"},
-        "errors": {"type": "array", "items": {"type": "object", "properties": {
-            "sample_index": {"type": "integer"}, "line": {"type": "integer"}, "sample_id": {"type": "string"},
-            "field": {"type": "string"}, "message": {"type": "string"}}}},
+        "errors": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sample_index": {"type": "integer"},
+                    "line": {"type": "integer"},
+                    "sample_id": {"type": "string"},
+                    "field": {"type": "string"},
+                    "message": {"type": "string"},
+                },
+            },
+        },
     },
     "required": ["type", "title", "status", "detail"],
 }
@@ -92,16 +113,22 @@ def install(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         phrase = HTTPStatus(exc.status_code).phrase
         slug = phrase.lower().replace(" ", "-")
-        return problem_response(exc.status_code, phrase, str(exc.detail), f"/problems/{slug}",
-                                getattr(exc, "headers", None))
+        return problem_response(
+            exc.status_code, phrase, str(exc.detail), f"/problems/{slug}", getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
     async def _database(_: Request, exc: Exception):
         # A database that is restarting or unreachable is a temporary condition the client can
         # retry, not a server bug; nothing was stored (the transaction rolled back).
-        return problem_response(503, "Service Unavailable", f"database unavailable: {type(exc.orig).__name__}",
-                                "/problems/database-unavailable", {"Retry-After": "2"})
+        return problem_response(
+            503,
+            "Service Unavailable",
+            f"database unavailable: {type(exc.orig).__name__}",
+            "/problems/database-unavailable",
+            {"Retry-After": "2"},
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -81,8 +81,9 @@ class JobOut(BaseModel):
     rate_tokens_per_s: float | None
     eta_s: float | None
     shards_written: int
-    estimated_bytes: int | None = Field(description="bytes its shards will take; null when the server's shape "
-                                       "was unknown at creation")
+    estimated_bytes: int | None = Field(
+        description="bytes its shards will take; null when the server's shape was unknown at creation"
+    )
     disk_warning: str | None = Field(description="set when the output volume looked too small at creation")
     layers: list[int] | None
     model: dict | None

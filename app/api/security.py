@@ -5,8 +5,7 @@ from __future__ import annotations
 import hmac
 
 from fastapi import FastAPI, Request
-
-from app.api.problems import problem_response
+from hsx.api.problems import problem_response
 
 OPEN_PATHS = {"/healthz"}
 READ_METHODS = {"GET", "HEAD", "OPTIONS"}
@@ -15,7 +14,7 @@ READ_ACTION_SUFFIXES = ("/verify",)
 
 
 def parse_tokens(spec: str) -> dict[str, str]:
-    """"tok1,tok2:read" -> {"tok1": "write", "tok2": "read"}."""
+    """ "tok1,tok2:read" -> {"tok1": "write", "tok2": "read"}."""
     tokens = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
@@ -44,8 +43,13 @@ def install(app: FastAPI, spec: str) -> None:
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         role = role_of(presented.strip()) if scheme.lower() == "bearer" and presented else None
         if role is None:
-            return problem_response(401, "Unauthorized", "a valid bearer token is required",
-                                    "/problems/unauthorized", {"WWW-Authenticate": 'Bearer realm="hsx"'})
+            return problem_response(
+                401,
+                "Unauthorized",
+                "a valid bearer token is required",
+                "/problems/unauthorized",
+                {"WWW-Authenticate": 'Bearer realm="hsx"'},
+            )
         reads = request.method in READ_METHODS or request.url.path.endswith(READ_ACTION_SUFFIXES)
         if role == "read" and not reads:
             return problem_response(403, "Forbidden", "this token may only read", "/problems/forbidden")

@@ -1,7 +1,7 @@
 """The dump root: clear it, find our completed dump, move it out, validate it.
 
 Every check in shared "what a reader must check" lives here but one: that every value is finite,
-which the shard writer checks as it copies the values (app.storage.shards). Anything that fails
+which the shard writer checks as it copies the values (hsx.storage.shards). Anything that fails
 a check is a DumpRejected with a short machine-readable code and a human reason, never a stored
 sample.
 """
@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from hsx.storage.finite import FLOAT_BITS
+from hsx.storage.safetensors_raw import CODE_BY_NAME, NAME_BY_CODE, SafetensorsFormatError, TensorSpan, read_index
 from safetensors import safe_open
-
-from app.storage.finite import FLOAT_BITS
-from app.storage.safetensors_raw import CODE_BY_NAME, NAME_BY_CODE, SafetensorsFormatError, TensorSpan, read_index
 
 REQUIRED_META = ("num_tokens", "layers", "hidden_size", "dtype")
 
@@ -96,8 +95,7 @@ class DumpRoot:
     def entries(self) -> list[Path]:
         try:
             # A symlink is never a dump: following one could read or delete outside the root.
-            return [p for p in self.path.iterdir()
-                    if p.name.startswith("req_") and p.is_dir() and not p.is_symlink()]
+            return [p for p in self.path.iterdir() if p.name.startswith("req_") and p.is_dir() and not p.is_symlink()]
         except FileNotFoundError:
             return []
 
@@ -133,14 +131,18 @@ def check_meta_fields(name: str, meta: dict) -> None:
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
         raise DumpRejected("bad_meta", f"{name}/meta.json lacks {', '.join(missing)}")
-    wrong = [k for k, ok in (
-        ("num_tokens", _count(meta["num_tokens"])),
-        ("hidden_size", _count(meta["hidden_size"]) and meta["hidden_size"] > 0),
-        ("layers", isinstance(meta["layers"], list) and meta["layers"] and all(_count(i) for i in meta["layers"])),
-        ("dtype", isinstance(meta["dtype"], str)),
-        ("cached_tokens", meta.get("cached_tokens") is None or _count(meta["cached_tokens"])),
-        ("input_ids_sha256", meta.get("input_ids_sha256") is None or isinstance(meta["input_ids_sha256"], str)),
-    ) if not ok]
+    wrong = [
+        k
+        for k, ok in (
+            ("num_tokens", _count(meta["num_tokens"])),
+            ("hidden_size", _count(meta["hidden_size"]) and meta["hidden_size"] > 0),
+            ("layers", isinstance(meta["layers"], list) and meta["layers"] and all(_count(i) for i in meta["layers"])),
+            ("dtype", isinstance(meta["dtype"], str)),
+            ("cached_tokens", meta.get("cached_tokens") is None or _count(meta["cached_tokens"])),
+            ("input_ids_sha256", meta.get("input_ids_sha256") is None or isinstance(meta["input_ids_sha256"], str)),
+        )
+        if not ok
+    ]
     if wrong:
         raise DumpRejected("bad_meta", f"{name}/meta.json has malformed {', '.join(wrong)}")
 
@@ -221,12 +223,18 @@ def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | LoadedTensor]:
     return out
 
 
-def validate(d: Path, meta: dict, *, expect_layers: list[int] | None = None,
-             expect_hidden: int | None = None, expect_dtype: str | None = None) -> Dump:
+def validate(
+    d: Path,
+    meta: dict,
+    *,
+    expect_layers: list[int] | None = None,
+    expect_hidden: int | None = None,
+    expect_dtype: str | None = None,
+) -> Dump:
     """Check shapes, dtypes and cache use; return the dump with byte sources.
 
     Reading every value for NaN and Inf is left to the shard writer, which reads each byte
-    anyway (app.storage.shards): a check here would read the whole dump a second time on the
+    anyway (hsx.storage.shards): a check here would read the whole dump a second time on the
     request path, while the model server waits for our next request."""
     check_meta_fields(d.name, meta)
     if int(meta.get("cached_tokens") or 0) != 0:

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.backends.dumps import Dump, DumpRejected, DumpRoot, identity_mismatch, move_out, read_meta, validate
-from app.backends.sglang import SGLangClient
+from hsx.backends.dumps import Dump, DumpRejected, DumpRoot, identity_mismatch, move_out, read_meta, validate
+from hsx.backends.sglang import SGLangClient
 
 POLL_S = 0.005
 # With no dump still being written and every completed one rejected, waiting longer cannot help.
@@ -49,14 +49,17 @@ class Extractor:
         if result.cached_tokens:
             raise DumpRejected("cached_tokens", f"server served {result.cached_tokens} prompt tokens from its cache")
         if result.prompt_tokens != len(input_ids):
-            raise DumpRejected("server_token_count",
-                               f"server reports {result.prompt_tokens} prompt tokens, sample has {len(input_ids)}")
+            raise DumpRejected(
+                "server_token_count",
+                f"server reports {result.prompt_tokens} prompt tokens, sample has {len(input_ids)}",
+            )
         found, meta = self._find_rid(rid, input_ids) if self.name_by == "rid" else self._find_scan(input_ids)
         key = found.name
         dest = move_out(found, self.staging / staged_name)
         try:
-            dump = validate(dest, meta, expect_layers=expect.layers, expect_hidden=expect.hidden_size,
-                            expect_dtype=expect.dtype)
+            dump = validate(
+                dest, meta, expect_layers=expect.layers, expect_hidden=expect.hidden_size, expect_dtype=expect.dtype
+            )
             dump.key = key
             return dump
         except BaseException:

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 if TYPE_CHECKING:
-    from app.sdk import HsxClient, HsxError, Job
+    from hsx.sdk import HsxClient, HsxError, Job
 
 ENV_NOTE = "Service: $HSX_URL (default http://127.0.0.1:8000); bearer token: $HSX_TOKEN."
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -24,8 +24,9 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("service and output")
     g.add_argument("--url", default=None, help="the service's base URL (env HSX_URL; default http://127.0.0.1:8000)")
     g.add_argument("--token", default=None, help="bearer token (env HSX_TOKEN)")
-    g.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout (errors as JSON on "
-                                                       "stderr)")
+    g.add_argument(
+        "--json", action="store_true", help="print machine-readable JSON on stdout (errors as JSON on stderr)"
+    )
 
 
 def layers_arg(text: str) -> list[int]:
@@ -38,8 +39,7 @@ def layers_arg(text: str) -> list[int]:
 def run(args: argparse.Namespace, body: Callable[[HsxClient], int | None]) -> int:
     """Open the client, run the command's body, and turn failures into stderr messages and exit codes."""
     import httpx
-
-    from app.sdk import HsxClient, HsxError
+    from hsx.sdk import HsxClient, HsxError
 
     prog = f"hsx {getattr(args, 'command', '') or ''}".strip()
     client = None
@@ -67,8 +67,9 @@ def run(args: argparse.Namespace, body: Callable[[HsxClient], int | None]) -> in
             client.close()
 
 
-def report(prog: str, exc: HsxError, *, as_json: bool = False, stream: TextIO | None = None,
-           max_errors: int = 20) -> None:
+def report(
+    prog: str, exc: HsxError, *, as_json: bool = False, stream: TextIO | None = None, max_errors: int = 20
+) -> None:
     """The problem's title and detail, then one line per invalid sample or field."""
     stream = stream or sys.stderr
     if as_json:
@@ -126,17 +127,18 @@ def progress_line(job: Job, width: int = 30) -> str:
     extracted = t.done + t.staged
     filled = min(width, int(width * extracted / max(t.total, 1)))
     rate = f"{job.rate_tokens_per_s:.0f} tok/s" if job.rate_tokens_per_s else "- tok/s"
-    return (f"[{'#' * filled}{'.' * (width - filled)}] {job.state:<9} "
-            f"{c.succeeded + c.staged}/{c.total} samples  {extracted}/{t.total} tokens  {rate}  "
-            f"ETA {duration(job.eta_s)}  failed {c.failed}")
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {job.state:<9} "
+        f"{c.succeeded + c.staged}/{c.total} samples  {extracted}/{t.total} tokens  {rate}  "
+        f"ETA {duration(job.eta_s)}  failed {c.failed}"
+    )
 
 
 class Progress:
     """Follows a job: on a terminal one line redrawn in place; elsewhere a plain line when something changed (at
     most one per `every` seconds, and always the last); with --json one JSON line per change."""
 
-    def __init__(self, *, as_json: bool = False, stream: TextIO | None = None, every: float = 1.0,
-                 indent: str = ""):
+    def __init__(self, *, as_json: bool = False, stream: TextIO | None = None, every: float = 1.0, indent: str = ""):
         self.stream = stream or sys.stdout
         self.as_json, self.every, self.indent = as_json, every, indent
         self.tty = not as_json and self.stream.isatty()
@@ -178,8 +180,11 @@ def outcome(job: Job, *, as_json: bool) -> int:
     """After following a job: a hint about failures on stderr, and exit 0 only when it succeeded."""
     if job.state != "succeeded" and not as_json:
         why = f" ({job.error})" if job.error else ""
-        print(f"job {job.id} {job.state}{why}; {job.counts.failed} failed, {job.counts.cancelled} cancelled"
-              + (f"; see: hsx samples {job.id} --state failed" if job.counts.failed else ""), file=sys.stderr)
+        print(
+            f"job {job.id} {job.state}{why}; {job.counts.failed} failed, {job.counts.cancelled} cancelled"
+            + (f"; see: hsx samples {job.id} --state failed" if job.counts.failed else ""),
+            file=sys.stderr,
+        )
     return 0 if job.state == "succeeded" else 1
 
 

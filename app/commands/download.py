@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from app.commands.common import ENV_NOTE, TERMINAL, add_common, follow, human_bytes, print_json, run
+from hsx.commands.common import ENV_NOTE, TERMINAL, add_common, follow, human_bytes, print_json, run
 
 NAME = "download"
 HELP = "download a job's shards and manifest.json into DIR (resumable, sha256-checked)"
@@ -69,24 +69,47 @@ def main(args: argparse.Namespace) -> int:
         shards = []
         for s in manifest.shards:
             resumed = progress.started.get(s.name)
-            shards.append({"name": s.name, "bytes": s.bytes, "sha256": s.sha256,
-                           "resumed_from": resumed or 0, "skipped": resumed is None})
+            shards.append(
+                {
+                    "name": s.name,
+                    "bytes": s.bytes,
+                    "sha256": s.sha256,
+                    "resumed_from": resumed or 0,
+                    "skipped": resumed is None,
+                }
+            )
         finished = manifest.state in TERMINAL
         if not finished:
-            print(f"hsx download: job {manifest.job_id} is {manifest.state}: downloaded the {len(shards)} shard(s) "
-                  "written so far; run this again once it has finished for the rest and manifest.json",
-                  file=sys.stderr)
+            print(
+                f"hsx download: job {manifest.job_id} is {manifest.state}: downloaded the {len(shards)} shard(s) "
+                "written so far; run this again once it has finished for the rest and manifest.json",
+                file=sys.stderr,
+            )
         if args.json:
-            print_json({"job_id": manifest.job_id, "state": manifest.state, "directory": str(directory),
-                        "manifest": str(directory / "manifest.json") if finished else None, "shards": shards})
+            print_json(
+                {
+                    "job_id": manifest.job_id,
+                    "state": manifest.state,
+                    "directory": str(directory),
+                    "manifest": str(directory / "manifest.json") if finished else None,
+                    "shards": shards,
+                }
+            )
             return 0
         for s in shards:
-            how = "already there" if s["skipped"] else \
-                f"resumed from byte {s['resumed_from']}" if s["resumed_from"] else "downloaded"
+            how = (
+                "already there"
+                if s["skipped"]
+                else f"resumed from byte {s['resumed_from']}"
+                if s["resumed_from"]
+                else "downloaded"
+            )
             print(f"  {s['name']}  {human_bytes(s['bytes'])}  sha256 ok  ({how})")
         total = sum(s["bytes"] for s in shards)
-        print(f"{manifest.job_id} {manifest.state}: {len(shards)} shard(s), {human_bytes(total)}, "
-              f"{len(manifest.samples)} sample(s) in {directory}/" + (" with manifest.json" if finished else ""))
+        print(
+            f"{manifest.job_id} {manifest.state}: {len(shards)} shard(s), {human_bytes(total)}, "
+            f"{len(manifest.samples)} sample(s) in {directory}/" + (" with manifest.json" if finished else "")
+        )
         return 0
 
     return run(args, body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from itertools import islice
 
-from app.commands.common import ENV_NOTE, add_common, print_json, run, table, when
+from hsx.commands.common import ENV_NOTE, add_common, print_json, run, table, when
 
 NAME = "jobs"
 HELP = "list jobs, newest first"
@@ -35,9 +35,18 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             print_json(jobs)
             return 0
-        rows = [[j.id, j.state, f"{j.counts.succeeded}/{j.counts.total}", str(j.counts.failed),
-                 f"{j.tokens.done + j.tokens.staged}/{j.tokens.total}", when(j.created_at),
-                 j.name or ""] for j in jobs]
+        rows = [
+            [
+                j.id,
+                j.state,
+                f"{j.counts.succeeded}/{j.counts.total}",
+                str(j.counts.failed),
+                f"{j.tokens.done + j.tokens.staged}/{j.tokens.total}",
+                when(j.created_at),
+                j.name or "",
+            ]
+            for j in jobs
+        ]
         table(rows, ["ID", "STATE", "STORED", "FAILED", "TOKENS", "CREATED", "NAME"])
         return 0
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from app.commands.common import ENV_NOTE, add_common, print_json, run
+from hsx.commands.common import ENV_NOTE, add_common, print_json, run
 
 NAME = "manifest"
 HELP = "print a job's manifest (model, layers, shards with sha256, sample placement) or save it with -o"
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from app.sdk._core import write_atomic
+    from hsx.sdk._core import write_atomic
 
     def body(hsx) -> int:
         manifest = hsx.manifest(args.job)
@@ -38,13 +38,20 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps(doc) if args.json else json.dumps(doc, indent=1))
             return 0
         path = write_atomic(Path(args.output), json.dumps(doc, indent=1).encode() + b"\n")
-        summary = {"path": str(path), "job_id": manifest.job_id, "state": manifest.state,
-                   "shards": len(manifest.shards), "samples": len(manifest.samples)}
+        summary = {
+            "path": str(path),
+            "job_id": manifest.job_id,
+            "state": manifest.state,
+            "shards": len(manifest.shards),
+            "samples": len(manifest.samples),
+        }
         if args.json:
             print_json(summary)
         else:
-            print(f"wrote {path}: job {manifest.job_id} {manifest.state}, {len(manifest.shards)} shard(s), "
-                  f"{len(manifest.samples)} stored sample(s)")
+            print(
+                f"wrote {path}: job {manifest.job_id} {manifest.state}, {len(manifest.shards)} shard(s), "
+                f"{len(manifest.samples)} stored sample(s)"
+            )
         return 0
 
     return run(args, body)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from app.commands.common import ENV_NOTE, add_common, print_json, progress_line, run
+from hsx.commands.common import ENV_NOTE, add_common, print_json, progress_line, run
 
 NAME = "retry"
 HELP = "queue a job's failed samples again, with a fresh attempt budget"
@@ -26,8 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     def body(hsx) -> int:
         job = hsx.retry(args.job)
-        print_json(job) if args.json else print(f"{job.id} {job.state}: {job.counts.queued} sample(s) queued "
-                                                f"again\n{progress_line(job)}")
+        print_json(job) if args.json else print(
+            f"{job.id} {job.state}: {job.counts.queued} sample(s) queued again\n{progress_line(job)}"
+        )
         return 0
 
     return run(args, body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from itertools import islice
 
-from app.commands.common import ENV_NOTE, add_common, print_json, run, table, when
+from hsx.commands.common import ENV_NOTE, add_common, print_json, run, table, when
 
 NAME = "samples"
 HELP = "list a job's samples (e.g. --state failed, with reasons) or show one with its attempts"
@@ -31,13 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def show_one(s) -> None:
-    print(f"{s.id}  #{s.index}  {s.state}  {s.expected_tokens} tokens  attempts {s.attempts}"
-          + (f"  {s.shard} @ {s.offset}" if s.shard else ""))
+    print(
+        f"{s.id}  #{s.index}  {s.state}  {s.expected_tokens} tokens  attempts {s.attempts}"
+        + (f"  {s.shard} @ {s.offset}" if s.shard else "")
+    )
     if s.last_error:
         print(f"last error: {s.last_error}")
     for a in s.attempt_log or []:
-        print(f"  attempt {a.number}: {a.outcome or 'running'}" + (f" ({a.reason})" if a.reason else "")
-              + f"  started {when(a.started_at, '%H:%M:%S')}" + (f"  dump {a.dump}" if a.dump else ""))
+        print(
+            f"  attempt {a.number}: {a.outcome or 'running'}"
+            + (f" ({a.reason})" if a.reason else "")
+            + f"  started {when(a.started_at, '%H:%M:%S')}"
+            + (f"  dump {a.dump}" if a.dump else "")
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -46,14 +52,24 @@ def main(args: argparse.Namespace) -> int:
             sample = hsx.get_sample(args.job, args.sample)
             print_json(sample) if args.json else show_one(sample)
             return 0
-        found = hsx.iter_samples(args.job, state=args.state,
-                                 page_size=1000 if args.limit <= 0 else min(args.limit, 1000))
+        found = hsx.iter_samples(
+            args.job, state=args.state, page_size=1000 if args.limit <= 0 else min(args.limit, 1000)
+        )
         samples = list(found if args.limit <= 0 else islice(found, args.limit))
         if args.json:
             print_json(samples)
             return 0
-        rows = [[s.id, s.state, str(s.expected_tokens), str(s.attempts),
-                 f"{s.shard}@{s.offset}" if s.shard else "-", s.last_error or ""] for s in samples]
+        rows = [
+            [
+                s.id,
+                s.state,
+                str(s.expected_tokens),
+                str(s.attempts),
+                f"{s.shard}@{s.offset}" if s.shard else "-",
+                s.last_error or "",
+            ]
+            for s in samples
+        ]
         table(rows, ["ID", "STATE", "TOKENS", "ATTEMPTS", "SHARD", "LAST ERROR"])
         return 0
 

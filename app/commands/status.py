@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from app.commands.common import ENV_NOTE, Progress, add_common, duration, outcome, print_json, progress_line, run, when
+from hsx.commands.common import ENV_NOTE, Progress, add_common, duration, outcome, print_json, progress_line, run, when
 
 NAME = "status"
 HELP = "show a job's progress (bar, rate, ETA); --watch follows it until it finishes"
@@ -25,18 +25,21 @@ examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job id")
     parser.add_argument("--watch", action="store_true", help="follow the job until it finishes")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between updates (default: "
-                                                                    "%(default)s)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between updates (default: %(default)s)")
     add_common(parser)
 
 
 def describe(job) -> list[str]:
-    lines = [f"{job.id}  {job.name or '-'}  created {when(job.created_at)}"
-             + (f"  layers {job.layers}" if job.layers else "")]
+    lines = [
+        f"{job.id}  {job.name or '-'}  created {when(job.created_at)}"
+        + (f"  layers {job.layers}" if job.layers else "")
+    ]
     if job.finished_at and job.started_at:
-        lines.append(f"finished {when(job.finished_at)} after "
-                     f"{duration((job.finished_at - job.started_at).total_seconds())}, "
-                     f"{job.shards_written} shard(s)")
+        lines.append(
+            f"finished {when(job.finished_at)} after "
+            f"{duration((job.finished_at - job.started_at).total_seconds())}, "
+            f"{job.shards_written} shard(s)"
+        )
     if job.error:
         lines.append(f"error: {job.error}")
     return lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.commands.common import ENV_NOTE, UsageError, add_common, follow, layers_arg, outcome, print_json, run
+from hsx.commands.common import ENV_NOTE, UsageError, add_common, follow, layers_arg, outcome, print_json, run
 
 NAME = "submit"
 HELP = "create a job from a JSONL file (streamed) or a file under the service's input root"
@@ -28,12 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", nargs="?", metavar="FILE", help="local JSONL file to stream ('-': standard input)")
     parser.add_argument("--input-path", help="a JSONL file under the service's input root, read by the service")
     parser.add_argument("--name", help="job name")
-    parser.add_argument("--layers", type=layers_arg, help="layers the job requires, e.g. 2,4,5,8 (default: the "
-                                                          "server's)")
+    parser.add_argument(
+        "--layers", type=layers_arg, help="layers the job requires, e.g. 2,4,5,8 (default: the server's)"
+    )
     parser.add_argument("--idempotency-key", help="repeating a submission with the same key returns the first job")
     parser.add_argument("--wait", action="store_true", help="follow the job's progress until it finishes")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between progress updates with --wait "
-                                                                    "(default: %(default)s)")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between progress updates with --wait (default: %(default)s)",
+    )
     add_common(parser)
 
 
@@ -54,8 +59,11 @@ def main(args: argparse.Namespace) -> int:
             with source:
                 job = hsx.submit_jsonl(source, **options)
         if not args.json:
-            print(f"{job.id} {job.state}: {job.counts.total} samples, {job.tokens.total} tokens"
-                  + (f" ({job.name})" if job.name else ""), flush=True)
+            print(
+                f"{job.id} {job.state}: {job.counts.total} samples, {job.tokens.total} tokens"
+                + (f" ({job.name})" if job.name else ""),
+                flush=True,
+            )
         if not args.wait:
             if args.json:
                 print_json(job)

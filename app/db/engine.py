@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hsx.migrations
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
@@ -11,7 +12,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 READONLY = "hsx_readonly"
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS_DIR = Path(hsx.migrations.__file__).resolve().parent
 
 
 def make_engine(url: str) -> Engine:

@@ -37,7 +37,7 @@ class Base(DeclarativeBase):
     pass
 
 
-class Job(Base):
+class JobRow(Base):
     __tablename__ = "jobs"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -74,7 +74,7 @@ class Job(Base):
     __table_args__ = (Index("ix_jobs_state", "state"),)
 
 
-class Sample(Base):
+class SampleRow(Base):
     __tablename__ = "samples"
 
     pk: Mapped[int] = mapped_column(BigPk, primary_key=True, autoincrement=True)
@@ -114,7 +114,7 @@ class Sample(Base):
     )
 
 
-class Attempt(Base):
+class AttemptRow(Base):
     __tablename__ = "attempts"
 
     pk: Mapped[int] = mapped_column(BigPk, primary_key=True, autoincrement=True)
@@ -133,7 +133,7 @@ class Attempt(Base):
     __table_args__ = (UniqueConstraint("sample_pk", "number", name="uq_attempts_sample_number"),)
 
 
-class Shard(Base):
+class ShardRow(Base):
     __tablename__ = "shards"
 
     pk: Mapped[int] = mapped_column(BigPk, primary_key=True, autoincrement=True)
@@ -148,7 +148,7 @@ class Shard(Base):
     __table_args__ = (UniqueConstraint("job_id", "name", name="uq_shards_job_name"),)
 
 
-class WriterRecord(Base):
+class WriterRow(Base):
     """Each dump-root writer's last reported state: jobs show why they wait, /healthz shows all writers."""
 
     __tablename__ = "writers"

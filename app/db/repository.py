@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from hsx.db.models import TERMINAL_JOB_STATES, AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
 from sqlalchemy import case, delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
-
-from app.db.models import TERMINAL_JOB_STATES, Attempt, Job, Sample, Shard, WriterRecord
 
 
 def utcnow() -> datetime:
@@ -55,8 +54,18 @@ class Claimed:
 # --- jobs -------------------------------------------------------------------------------
 
 
-_SAMPLE_INSERT_COLUMNS = ("job_id", "idx", "sample_id", "state", "input_ids", "loss_mask", "num_tokens", "attempts",
-                          "tries", "updated_at")
+_SAMPLE_INSERT_COLUMNS = (
+    "job_id",
+    "idx",
+    "sample_id",
+    "state",
+    "input_ids",
+    "loss_mask",
+    "num_tokens",
+    "attempts",
+    "tries",
+    "updated_at",
+)
 
 
 class JobBuilder:
@@ -66,13 +75,36 @@ class JobBuilder:
     job's counters are set once at the end, and a rollback leaves nothing behind.
     """
 
-    def __init__(self, session: Session, *, name: str | None, layers: list[int] | None,
-                 idempotency_key: str | None = None, request_sha256: str | None = None):
+    def __init__(
+        self,
+        session: Session,
+        *,
+        name: str | None,
+        layers: list[int] | None,
+        idempotency_key: str | None = None,
+        request_sha256: str | None = None,
+    ):
         self.session = session
-        self.job = Job(id=new_job_id(), name=name, state="queued", created_at=utcnow(), layers=layers,
-                       idempotency_key=idempotency_key, request_sha256=request_sha256,
-                       num_samples=0, tokens_total=0, tokens_done=0, tokens_staged=0, n_queued=0, n_running=0,
-                       n_staged=0, n_succeeded=0, n_failed=0, n_cancelled=0, shards_written=0)
+        self.job = JobRow(
+            id=new_job_id(),
+            name=name,
+            state="queued",
+            created_at=utcnow(),
+            layers=layers,
+            idempotency_key=idempotency_key,
+            request_sha256=request_sha256,
+            num_samples=0,
+            tokens_total=0,
+            tokens_done=0,
+            tokens_staged=0,
+            n_queued=0,
+            n_running=0,
+            n_staged=0,
+            n_succeeded=0,
+            n_failed=0,
+            n_cancelled=0,
+            shards_written=0,
+        )
         session.add(self.job)
         session.flush()
         self.count = 0
@@ -85,11 +117,13 @@ class JobBuilder:
         # (COPY on Postgres, executemany on SQLite), skipping a Core insert's per-row parameter
         # processing. Only updated_at needs the column type's conversion, one value for all rows.
         conn = self.session.connection()
-        updated_at = Sample.__table__.c.updated_at.type.bind_processor(conn.dialect)
+        updated_at = SampleRow.__table__.c.updated_at.type.bind_processor(conn.dialect)
         now = updated_at(self.job.created_at) if updated_at else self.job.created_at
         job_id, first = self.job.id, self.count
-        rows = [(job_id, first + i, s.sample_id, "queued", s.input_ids, s.loss_mask, s.num_tokens, 0, 0, now)
-                for i, s in enumerate(samples)]
+        rows = [
+            (job_id, first + i, s.sample_id, "queued", s.input_ids, s.loss_mask, s.num_tokens, 0, 0, now)
+            for i, s in enumerate(samples)
+        ]
         columns = ", ".join(_SAMPLE_INSERT_COLUMNS)
         if conn.dialect.name == "postgresql":
             with conn.connection.dbapi_connection.cursor() as cursor:
@@ -103,52 +137,58 @@ class JobBuilder:
         self.tokens += sum(s.num_tokens for s in samples)
 
     def has_sample_id(self, sample_id: str) -> bool:
-        return self.session.execute(
-            select(Sample.pk).where(Sample.job_id == self.job.id, Sample.sample_id == sample_id)
-        ).first() is not None
+        return (
+            self.session.execute(
+                select(SampleRow.pk).where(SampleRow.job_id == self.job.id, SampleRow.sample_id == sample_id)
+            ).first()
+            is not None
+        )
 
-    def finish(self) -> Job:
+    def finish(self) -> JobRow:
         self.job.num_samples = self.job.n_queued = self.count
         self.job.tokens_total = self.tokens
         self.session.flush()
         return self.job
 
 
-def create_job(session: Session, *, name: str | None, layers: list[int] | None, samples: list[NewSample]) -> Job:
+def create_job(session: Session, *, name: str | None, layers: list[int] | None, samples: list[NewSample]) -> JobRow:
     """Insert a job and all its samples, queued, in the caller's transaction."""
     builder = JobBuilder(session, name=name, layers=layers)
     for start in range(0, len(samples), 5000):
-        builder.add(samples[start:start + 5000])
+        builder.add(samples[start : start + 5000])
     return builder.finish()
 
 
 def pending_output_bytes(session: Session) -> int:
     """Bytes the active jobs have still to write, from their estimates and progress."""
-    rows = session.execute(select(Job.estimated_bytes, Job.tokens_total, Job.tokens_done)
-                           .where(Job.state.in_(("queued", "running")), Job.estimated_bytes.is_not(None))).all()
+    rows = session.execute(
+        select(JobRow.estimated_bytes, JobRow.tokens_total, JobRow.tokens_done).where(
+            JobRow.state.in_(("queued", "running")), JobRow.estimated_bytes.is_not(None)
+        )
+    ).all()
     return sum(int(b * (t - d) / t) for b, t, d in rows if t)
 
 
-def job_by_idempotency_key(session: Session, key: str) -> Job | None:
-    return session.execute(select(Job).where(Job.idempotency_key == key)).scalar_one_or_none()
+def job_by_idempotency_key(session: Session, key: str) -> JobRow | None:
+    return session.execute(select(JobRow).where(JobRow.idempotency_key == key)).scalar_one_or_none()
 
 
-def list_jobs(session: Session, *, state: str | None, after: str | None, limit: int) -> list[Job]:
+def list_jobs(session: Session, *, state: str | None, after: str | None, limit: int) -> list[JobRow]:
     """Newest first; `after` is the id the previous page ended with (ids sort by creation)."""
-    q = select(Job)
+    q = select(JobRow)
     if state:
-        q = q.where(Job.state == state)
+        q = q.where(JobRow.state == state)
     if after:
-        q = q.where(Job.id < after)
-    return list(session.execute(q.order_by(Job.id.desc()).limit(limit)).scalars())
+        q = q.where(JobRow.id < after)
+    return list(session.execute(q.order_by(JobRow.id.desc()).limit(limit)).scalars())
 
 
-def _lock_job(session: Session, job_id: str) -> Job | None:
+def _lock_job(session: Session, job_id: str) -> JobRow | None:
     """Read the job row for update: cancel, retry and sample outcomes on one job serialise here."""
-    return session.execute(select(Job).where(Job.id == job_id).with_for_update()).scalar_one_or_none()
+    return session.execute(select(JobRow).where(JobRow.id == job_id).with_for_update()).scalar_one_or_none()
 
 
-def cancel_job(session: Session, job_id: str) -> Job | None:
+def cancel_job(session: Session, job_id: str) -> JobRow | None:
     """Queued samples are cancelled now; running or staged ones finish and are stored.
     Returns None when the job is already finished (nothing to cancel)."""
     job = _lock_job(session, job_id)
@@ -167,9 +207,11 @@ def retry_failed(session: Session, job_id: str) -> int | None:
     if job is None or job.state in ("cancelling", "cancelled") or job.n_failed == 0:
         return None
     moved = _transition(session, job_id, ALL, "failed", "queued", {"attempts": 0, "writer": None})
-    session.execute(update(Job).where(Job.id == job_id)
-                    .values(state=case((Job.started_at.is_(None), "queued"), else_="running"),
-                            finished_at=None, error=None))
+    session.execute(
+        update(JobRow)
+        .where(JobRow.id == job_id)
+        .values(state=case((JobRow.started_at.is_(None), "queued"), else_="running"), finished_at=None, error=None)
+    )
     return moved
 
 
@@ -180,25 +222,25 @@ def delete_job(session: Session, job_id: str) -> bool | None:
         return None
     if job.state not in TERMINAL_JOB_STATES:
         return False
-    sample_pks = select(Sample.pk).where(Sample.job_id == job_id)
-    session.execute(delete(Attempt).where(Attempt.sample_pk.in_(sample_pks)))
-    session.execute(delete(Sample).where(Sample.job_id == job_id))
-    session.execute(delete(Shard).where(Shard.job_id == job_id))
-    session.execute(delete(Job).where(Job.id == job_id))
+    sample_pks = select(SampleRow.pk).where(SampleRow.job_id == job_id)
+    session.execute(delete(AttemptRow).where(AttemptRow.sample_pk.in_(sample_pks)))
+    session.execute(delete(SampleRow).where(SampleRow.job_id == job_id))
+    session.execute(delete(ShardRow).where(ShardRow.job_id == job_id))
+    session.execute(delete(JobRow).where(JobRow.id == job_id))
     return True
 
 
-def get_job(session: Session, job_id: str) -> Job | None:
-    return session.get(Job, job_id)
+def get_job(session: Session, job_id: str) -> JobRow | None:
+    return session.get(JobRow, job_id)
 
 
 def set_job_model_info(session: Session, job_id: str, info: dict) -> dict:
     """Record the model the job's first dump came from; return what is recorded."""
-    session.execute(update(Job).where(Job.id == job_id, Job.model_info.is_(None)).values(model_info=info))
-    return session.execute(select(Job.model_info).where(Job.id == job_id)).scalar_one()
+    session.execute(update(JobRow).where(JobRow.id == job_id, JobRow.model_info.is_(None)).values(model_info=info))
+    return session.execute(select(JobRow.model_info).where(JobRow.id == job_id)).scalar_one()
 
 
-def final_state(job: Job) -> str | None:
+def final_state(job: JobRow) -> str | None:
     """The state a job ends in once nothing is queued, running or staged; None before that."""
     if job.state not in ("queued", "running", "cancelling") or job.n_queued or job.n_running or job.n_staged:
         return None
@@ -214,8 +256,8 @@ def finish_job_if_done(session: Session, job_id: str) -> bool:
     if state is None:
         return False
     result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.state == job.state, Job.n_queued == 0, Job.n_running == 0, Job.n_staged == 0)
+        update(JobRow)
+        .where(JobRow.id == job_id, JobRow.state == job.state, JobRow.n_queued == 0, JobRow.n_running == 0, JobRow.n_staged == 0)
         .values(state=state, finished_at=utcnow())
     )
     return result.rowcount == 1
@@ -223,7 +265,7 @@ def finish_job_if_done(session: Session, job_id: str) -> bool:
 
 def fail_job(session: Session, job_id: str, reason: str) -> None:
     """A job that cannot run at all (e.g. server settings that break dumps): fail what is queued."""
-    session.execute(update(Job).where(Job.id == job_id).values(error=reason))
+    session.execute(update(JobRow).where(JobRow.id == job_id).values(error=reason))
     _transition(session, job_id, ALL, "queued", "failed", {"last_error": reason})
 
 
@@ -231,7 +273,7 @@ def fail_job(session: Session, job_id: str, reason: str) -> None:
 
 
 # Token counters that follow a sample's tokens in and out of a state.
-TOKEN_COUNTERS = {"staged": Job.tokens_staged, "succeeded": Job.tokens_done}
+TOKEN_COUNTERS = {"staged": JobRow.tokens_staged, "succeeded": JobRow.tokens_done}
 
 
 ALL = None  # _transition's `pks` for "every sample of the job in that state"
@@ -248,32 +290,44 @@ def _transition(session: Session, job_id: str, pks: list[int] | None, src: str, 
     """
     if pks is not None and not pks:
         return 0
-    session.execute(select(Job.id).where(Job.id == job_id).with_for_update())
+    session.execute(select(JobRow.id).where(JobRow.id == job_id).with_for_update())
     stamp = {"state": dst, "updated_at": utcnow(), **values}
     if pks is ALL:
         rc, tokens = session.execute(
-            select(func.count(), func.coalesce(func.sum(Sample.num_tokens), 0))
-            .where(Sample.job_id == job_id, Sample.state == src)
+            select(func.count(), func.coalesce(func.sum(SampleRow.num_tokens), 0)).where(
+                SampleRow.job_id == job_id, SampleRow.state == src
+            )
         ).one()
         if rc:
-            result = session.execute(update(Sample).where(Sample.job_id == job_id, Sample.state == src).values(stamp)
-                                     .execution_options(synchronize_session=False))
+            result = session.execute(
+                update(SampleRow)
+                .where(SampleRow.job_id == job_id, SampleRow.state == src)
+                .values(stamp)
+                .execution_options(synchronize_session=False)
+            )
             if result.rowcount != rc:
                 raise RuntimeError(f"job {job_id}: {result.rowcount} samples left {src}, {rc} were counted")
     else:
-        moved = session.execute(
-            update(Sample).where(Sample.pk.in_(pks), Sample.state == src).values(stamp)
-            .returning(Sample.num_tokens).execution_options(synchronize_session=False)
-        ).scalars().all()
+        moved = (
+            session.execute(
+                update(SampleRow)
+                .where(SampleRow.pk.in_(pks), SampleRow.state == src)
+                .values(stamp)
+                .returning(SampleRow.num_tokens)
+                .execution_options(synchronize_session=False)
+            )
+            .scalars()
+            .all()
+        )
         rc, tokens = len(moved), sum(moved)
     if rc:
-        src_col, dst_col = getattr(Job, f"n_{src}"), getattr(Job, f"n_{dst}")
+        src_col, dst_col = getattr(JobRow, f"n_{src}"), getattr(JobRow, f"n_{dst}")
         changes = {src_col: src_col - rc, dst_col: dst_col + rc}
         if src in TOKEN_COUNTERS:
             changes[TOKEN_COUNTERS[src]] = TOKEN_COUNTERS[src] - tokens
         if dst in TOKEN_COUNTERS:
             changes[TOKEN_COUNTERS[dst]] = TOKEN_COUNTERS[dst] + tokens
-        session.execute(update(Job).where(Job.id == job_id).values(changes))
+        session.execute(update(JobRow).where(JobRow.id == job_id).values(changes))
     return rc
 
 
@@ -289,60 +343,105 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
     """
     # The queued rows themselves, not the n_queued counter, say whether a job has work: a job can
     # never be picked for nothing while another waits.
-    has_queued = exists().where(Sample.job_id == Job.id, Sample.state == "queued")
+    has_queued = exists().where(SampleRow.job_id == JobRow.id, SampleRow.state == "queued")
     job_id = session.execute(
-        select(Job.id).where(Job.state.in_(("queued", "running")), has_queued)
-        .order_by(Job.id).limit(1).with_for_update(of=Job)
+        select(JobRow.id)
+        .where(JobRow.state.in_(("queued", "running")), has_queued)
+        .order_by(JobRow.id)
+        .limit(1)
+        .with_for_update(of=JobRow)
     ).scalar()
     if job_id is None:
         return None
-    pick = select(Sample.pk).where(Sample.job_id == job_id, Sample.state == "queued").order_by(Sample.idx).limit(1)
+    pick = select(SampleRow.pk).where(SampleRow.job_id == job_id, SampleRow.state == "queued").order_by(SampleRow.idx).limit(1)
     if session.get_bind().dialect.name == "postgresql":
         pick = pick.with_for_update(skip_locked=True)
-    other = aliased(Sample)
+    other = aliased(SampleRow)
     busy = exists().where(other.state == "running", other.writer == writer)
     row = session.execute(
-        update(Sample)
-        .where(Sample.pk == pick.scalar_subquery(), Sample.state == "queued", ~busy)
-        .values(state="running", writer=writer, attempts=Sample.attempts + 1, tries=Sample.tries + 1,
-                updated_at=utcnow())
-        .returning(Sample.pk, Sample.job_id, Sample.idx, Sample.sample_id, Sample.input_ids, Sample.loss_mask,
-                   Sample.num_tokens, Sample.attempts, Sample.tries)
+        update(SampleRow)
+        .where(SampleRow.pk == pick.scalar_subquery(), SampleRow.state == "queued", ~busy)
+        .values(
+            state="running", writer=writer, attempts=SampleRow.attempts + 1, tries=SampleRow.tries + 1, updated_at=utcnow()
+        )
+        .returning(
+            SampleRow.pk,
+            SampleRow.job_id,
+            SampleRow.idx,
+            SampleRow.sample_id,
+            SampleRow.input_ids,
+            SampleRow.loss_mask,
+            SampleRow.num_tokens,
+            SampleRow.attempts,
+            SampleRow.tries,
+        )
         .execution_options(synchronize_session=False)
     ).first()
     if row is None:
         return None
     now = utcnow()
     queued_left = session.execute(
-        update(Job).where(Job.id == row.job_id)
-        .values(n_queued=Job.n_queued - 1, n_running=Job.n_running + 1).returning(Job.n_queued)
+        update(JobRow)
+        .where(JobRow.id == row.job_id)
+        .values(n_queued=JobRow.n_queued - 1, n_running=JobRow.n_running + 1)
+        .returning(JobRow.n_queued)
     ).scalar_one()
     session.execute(
-        update(Job).where(Job.id == row.job_id, Job.state == "queued").values(state="running", started_at=now)
+        update(JobRow).where(JobRow.id == row.job_id, JobRow.state == "queued").values(state="running", started_at=now)
     )
-    attempt = Attempt(sample_pk=row.pk, number=row.tries, writer=writer, started_at=now)
+    attempt = AttemptRow(sample_pk=row.pk, number=row.tries, writer=writer, started_at=now)
     session.add(attempt)
     session.flush()
-    job = session.execute(select(Job.layers, Job.model_info).where(Job.id == row.job_id)).one()
-    return Claimed(row.pk, row.job_id, row.idx, row.sample_id, row.input_ids, row.loss_mask, row.num_tokens,
-                   row.attempts, row.tries, attempt.pk, job.layers, job.model_info, queued_left)
+    job = session.execute(select(JobRow.layers, JobRow.model_info).where(JobRow.id == row.job_id)).one()
+    return Claimed(
+        row.pk,
+        row.job_id,
+        row.idx,
+        row.sample_id,
+        row.input_ids,
+        row.loss_mask,
+        row.num_tokens,
+        row.attempts,
+        row.tries,
+        attempt.pk,
+        job.layers,
+        job.model_info,
+        queued_left,
+    )
 
 
 def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str | None = None, **fields) -> None:
     session.execute(
-        update(Attempt).where(Attempt.pk == attempt_pk)
+        update(AttemptRow)
+        .where(AttemptRow.pk == attempt_pk)
         .values(outcome=outcome, reason=reason, finished_at=utcnow(), **fields)
     )
 
 
-def mark_staged(session: Session, c: Claimed, *, writer: str, staged_path: str, observed_tokens: int,
-                dump_key: str, boot_id: str | None) -> bool:
+def mark_staged(
+    session: Session,
+    c: Claimed,
+    *,
+    writer: str,
+    staged_path: str,
+    observed_tokens: int,
+    dump_key: str,
+    boot_id: str | None,
+) -> bool:
     """The dump is validated and out of the root. `writer` is the dump root's writer (not the
     in-flight slot that ran it): the writer's shard flusher takes it from here."""
     _close_attempt(session, c.attempt_pk, "ok", dump_key=dump_key, observed_tokens=observed_tokens, boot_id=boot_id)
-    return _transition(session, c.job_id, [c.sample_pk], "running", "staged",
-                       {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None,
-                        "writer": writer}) == 1
+    return (
+        _transition(
+            session,
+            c.job_id,
+            [c.sample_pk],
+            "running",
+            "staged",
+            {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None, "writer": writer},
+        )
+        == 1
+    )
 
 
 def _requeue_state(session: Session, job_id: str) -> str:
@@ -351,13 +450,27 @@ def _requeue_state(session: Session, job_id: str) -> str:
     return "cancelled" if job is not None and job.state == "cancelling" else "queued"
 
 
-def record_failed_attempt(session: Session, c: Claimed, *, reason: str, max_attempts: int,
-                          observed_tokens: int | None = None, dump_key: str | None = None,
-                          boot_id: str | None = None) -> str:
+def record_failed_attempt(
+    session: Session,
+    c: Claimed,
+    *,
+    reason: str,
+    max_attempts: int,
+    observed_tokens: int | None = None,
+    dump_key: str | None = None,
+    boot_id: str | None = None,
+) -> str:
     """Close a failed attempt; queue the sample again, or fail it once its budget is spent."""
     final = c.attempt >= max_attempts
-    _close_attempt(session, c.attempt_pk, "failed" if final else "retry", reason,
-                   observed_tokens=observed_tokens, dump_key=dump_key, boot_id=boot_id)
+    _close_attempt(
+        session,
+        c.attempt_pk,
+        "failed" if final else "retry",
+        reason,
+        observed_tokens=observed_tokens,
+        dump_key=dump_key,
+        boot_id=boot_id,
+    )
     dst = "failed" if final else _requeue_state(session, c.job_id)
     values = {"last_error": reason, "observed_tokens": observed_tokens}
     if not final:
@@ -369,13 +482,19 @@ def record_failed_attempt(session: Session, c: Claimed, *, reason: str, max_atte
 def release_interrupted(session: Session, c: Claimed, *, reason: str) -> None:
     """Give the sample back without spending an attempt: the server, not the sample, failed."""
     _close_attempt(session, c.attempt_pk, "interrupted", reason)
-    _transition(session, c.job_id, [c.sample_pk], "running", _requeue_state(session, c.job_id),
-                {"writer": None, "attempts": Sample.attempts - 1, "last_error": reason})
+    _transition(
+        session,
+        c.job_id,
+        [c.sample_pk],
+        "running",
+        _requeue_state(session, c.job_id),
+        {"writer": None, "attempts": SampleRow.attempts - 1, "last_error": reason},
+    )
 
 
 def _writer_or_slots(writer: str):
     """The writer itself or any of its in-flight slots ("<writer>#<n>")."""
-    return or_(Sample.writer == writer, Sample.writer.startswith(writer + "#", autoescape=True))
+    return or_(SampleRow.writer == writer, SampleRow.writer.startswith(writer + "#", autoescape=True))
 
 
 def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, int]:
@@ -383,48 +502,72 @@ def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, i
     place only if their staged files survived. Returns (requeued, kept staged)."""
     requeued = kept = 0
     running = session.execute(
-        select(Sample.pk, Sample.job_id).where(_writer_or_slots(writer), Sample.state == "running")
+        select(SampleRow.pk, SampleRow.job_id).where(_writer_or_slots(writer), SampleRow.state == "running")
     ).all()
     for pk, job_id in running:
         session.execute(
-            update(Attempt).where(Attempt.sample_pk == pk, Attempt.outcome.is_(None))
+            update(AttemptRow)
+            .where(AttemptRow.sample_pk == pk, AttemptRow.outcome.is_(None))
             .values(outcome="interrupted", reason="service stopped during the attempt", finished_at=utcnow())
         )
-        requeued += _transition(session, job_id, [pk], "running", _requeue_state(session, job_id),
-                                {"writer": None, "attempts": Sample.attempts - 1})
+        requeued += _transition(
+            session,
+            job_id,
+            [pk],
+            "running",
+            _requeue_state(session, job_id),
+            {"writer": None, "attempts": SampleRow.attempts - 1},
+        )
     staged = session.execute(
-        select(Sample.pk, Sample.job_id, Sample.staged_path).where(Sample.writer == writer, Sample.state == "staged")
+        select(SampleRow.pk, SampleRow.job_id, SampleRow.staged_path).where(SampleRow.writer == writer, SampleRow.state == "staged")
     ).all()
     for pk, job_id, path in staged:
         if path and staged_exists(path):
             kept += 1
         else:
-            requeued += _transition(session, job_id, [pk], "staged", _requeue_state(session, job_id),
-                                    {"writer": None, "staged_path": None, "attempts": Sample.attempts - 1,
-                                     "last_error": "staged dump was lost before its shard was written"})
+            requeued += _transition(
+                session,
+                job_id,
+                [pk],
+                "staged",
+                _requeue_state(session, job_id),
+                {
+                    "writer": None,
+                    "staged_path": None,
+                    "attempts": SampleRow.attempts - 1,
+                    "last_error": "staged dump was lost before its shard was written",
+                },
+            )
     return requeued, kept
 
 
-def staged_samples(session: Session, writer: str, job_id: str | None = None) -> list[Sample]:
-    q = select(Sample).where(Sample.writer == writer, Sample.state == "staged")
+def staged_samples(session: Session, writer: str, job_id: str | None = None) -> list[SampleRow]:
+    q = select(SampleRow).where(SampleRow.writer == writer, SampleRow.state == "staged")
     if job_id is not None:
-        q = q.where(Sample.job_id == job_id)
-    return list(session.execute(q.order_by(Sample.job_id, Sample.idx)).scalars())
+        q = q.where(SampleRow.job_id == job_id)
+    return list(session.execute(q.order_by(SampleRow.job_id, SampleRow.idx)).scalars())
 
 
 def requeue_staged(session: Session, job_id: str, pks: list[int], reason: str) -> None:
-    _transition(session, job_id, pks, "staged", _requeue_state(session, job_id),
-                {"writer": None, "staged_path": None, "last_error": reason})
+    _transition(
+        session,
+        job_id,
+        pks,
+        "staged",
+        _requeue_state(session, job_id),
+        {"writer": None, "staged_path": None, "last_error": reason},
+    )
 
 
 def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_attempts: int) -> str:
     """The shard writer found what staging does not check (NaN or Inf among the values): the
     attempt that staged the sample failed after all. Queue the sample again, or fail it once its
     budget is spent; returns the state it went to."""
-    attempts, number = session.execute(select(Sample.attempts, Sample.tries).where(Sample.pk == pk)).one()
+    attempts, number = session.execute(select(SampleRow.attempts, SampleRow.tries).where(SampleRow.pk == pk)).one()
     final = attempts >= max_attempts
     session.execute(
-        update(Attempt).where(Attempt.sample_pk == pk, Attempt.number == number)
+        update(AttemptRow)
+        .where(AttemptRow.sample_pk == pk, AttemptRow.number == number)
         .values(outcome="failed" if final else "retry", reason=reason)
     )
     dst = "failed" if final else _requeue_state(session, job_id)
@@ -437,19 +580,36 @@ def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_at
 
 
 def reserve_shard_number(session: Session, job_id: str) -> int:
-    return session.execute(
-        update(Job).where(Job.id == job_id).values(shards_written=Job.shards_written + 1).returning(Job.shards_written)
-    ).scalar_one() - 1
+    return (
+        session.execute(
+            update(JobRow)
+            .where(JobRow.id == job_id)
+            .values(shards_written=JobRow.shards_written + 1)
+            .returning(JobRow.shards_written)
+        ).scalar_one()
+        - 1
+    )
 
 
-def commit_shard(session: Session, job_id: str, *, name: str, nbytes: int, sha256: str,
-                 placed: list[tuple[int, int, int]]) -> None:
+def commit_shard(
+    session: Session, job_id: str, *, name: str, nbytes: int, sha256: str, placed: list[tuple[int, int, int]]
+) -> None:
     """Record a written shard and mark its samples succeeded. `placed`: (pk, offset, tokens)."""
-    session.add(Shard(job_id=job_id, name=name, bytes=nbytes, sha256=sha256, num_samples=len(placed),
-                      num_tokens=sum(t for _, _, t in placed), created_at=utcnow()))
+    session.add(
+        ShardRow(
+            job_id=job_id,
+            name=name,
+            bytes=nbytes,
+            sha256=sha256,
+            num_samples=len(placed),
+            num_tokens=sum(t for _, _, t in placed),
+            created_at=utcnow(),
+        )
+    )
     for pk, offset, _ in placed:
-        moved = _transition(session, job_id, [pk], "staged", "succeeded",
-                            {"shard": name, "shard_offset": offset, "staged_path": None})
+        moved = _transition(
+            session, job_id, [pk], "staged", "succeeded", {"shard": name, "shard_offset": offset, "staged_path": None}
+        )
         if moved != 1:
             raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
 
@@ -457,34 +617,37 @@ def commit_shard(session: Session, job_id: str, *, name: str, nbytes: int, sha25
 # --- reads for the API ----------------------------------------------------------------------
 
 
-def list_samples(session: Session, job_id: str, *, state: str | None, after_idx: int | None,
-                 limit: int) -> list[Sample]:
-    q = select(Sample).where(Sample.job_id == job_id)
+def list_samples(
+    session: Session, job_id: str, *, state: str | None, after_idx: int | None, limit: int
+) -> list[SampleRow]:
+    q = select(SampleRow).where(SampleRow.job_id == job_id)
     if state:
-        q = q.where(Sample.state == state)
+        q = q.where(SampleRow.state == state)
     if after_idx is not None:
-        q = q.where(Sample.idx > after_idx)
-    return list(session.execute(q.order_by(Sample.idx).limit(limit)).scalars())
+        q = q.where(SampleRow.idx > after_idx)
+    return list(session.execute(q.order_by(SampleRow.idx).limit(limit)).scalars())
 
 
-def get_sample(session: Session, job_id: str, sample_id: str) -> Sample | None:
+def get_sample(session: Session, job_id: str, sample_id: str) -> SampleRow | None:
     return session.execute(
-        select(Sample).where(Sample.job_id == job_id, Sample.sample_id == sample_id)
+        select(SampleRow).where(SampleRow.job_id == job_id, SampleRow.sample_id == sample_id)
     ).scalar_one_or_none()
 
 
-def sample_attempts(session: Session, sample_pk: int) -> list[Attempt]:
-    return list(session.execute(
-        select(Attempt).where(Attempt.sample_pk == sample_pk).order_by(Attempt.number, Attempt.pk)
-    ).scalars())
+def sample_attempts(session: Session, sample_pk: int) -> list[AttemptRow]:
+    return list(
+        session.execute(
+            select(AttemptRow).where(AttemptRow.sample_pk == sample_pk).order_by(AttemptRow.number, AttemptRow.pk)
+        ).scalars()
+    )
 
 
-def job_shards(session: Session, job_id: str) -> list[Shard]:
-    return list(session.execute(select(Shard).where(Shard.job_id == job_id).order_by(Shard.name)).scalars())
+def job_shards(session: Session, job_id: str) -> list[ShardRow]:
+    return list(session.execute(select(ShardRow).where(ShardRow.job_id == job_id).order_by(ShardRow.name)).scalars())
 
 
-def get_shard(session: Session, job_id: str, name: str) -> Shard | None:
-    return session.execute(select(Shard).where(Shard.job_id == job_id, Shard.name == name)).scalar_one_or_none()
+def get_shard(session: Session, job_id: str, name: str) -> ShardRow | None:
+    return session.execute(select(ShardRow).where(ShardRow.job_id == job_id, ShardRow.name == name)).scalar_one_or_none()
 
 
 def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
@@ -492,9 +655,10 @@ def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
     last = -1
     while True:
         rows = session.execute(
-            select(Sample.idx, Sample.sample_id, Sample.shard, Sample.shard_offset, Sample.num_tokens)
-            .where(Sample.job_id == job_id, Sample.state == "succeeded", Sample.idx > last)
-            .order_by(Sample.idx).limit(batch)
+            select(SampleRow.idx, SampleRow.sample_id, SampleRow.shard, SampleRow.shard_offset, SampleRow.num_tokens)
+            .where(SampleRow.job_id == job_id, SampleRow.state == "succeeded", SampleRow.idx > last)
+            .order_by(SampleRow.idx)
+            .limit(batch)
         ).all()
         if not rows:
             return
@@ -507,17 +671,21 @@ def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
 WRITER_STALE_S = 30.0
 
 
-def report_writer(session: Session, identity: str, *, state: str, reason: str | None, server: dict | None,
-                  started_at: datetime) -> None:
+def report_writer(
+    session: Session, identity: str, *, state: str, reason: str | None, server: dict | None, started_at: datetime
+) -> None:
     values = {"state": state, "reason": reason, "server": server, "heartbeat_at": utcnow()}
-    if session.execute(update(WriterRecord).where(WriterRecord.identity == identity).values(values)).rowcount == 0:
-        session.add(WriterRecord(identity=identity, started_at=started_at, **values))
+    if session.execute(update(WriterRow).where(WriterRow.identity == identity).values(values)).rowcount == 0:
+        session.add(WriterRow(identity=identity, started_at=started_at, **values))
 
 
-def live_writers(session: Session) -> list[WriterRecord]:
+def live_writers(session: Session) -> list[WriterRow]:
     since = datetime.fromtimestamp(time.time() - WRITER_STALE_S, timezone.utc)
-    return list(session.execute(select(WriterRecord).where(WriterRecord.heartbeat_at >= since)
-                                .order_by(WriterRecord.identity)).scalars())
+    return list(
+        session.execute(
+            select(WriterRow).where(WriterRow.heartbeat_at >= since).order_by(WriterRow.identity)
+        ).scalars()
+    )
 
 
 def waiting_reason(session: Session) -> str | None:

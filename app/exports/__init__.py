@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 
 TARGETS = {
-    "specforge": ("app.exports.specforge", "SpecForgeExporter"),
-    "speculators": ("app.exports.speculators", "SpeculatorsExporter"),
-    "modelopt": ("app.exports.modelopt", "ModelOptExporter"),
+    "specforge": ("hsx.exports.specforge", "SpecForgeExporter"),
+    "speculators": ("hsx.exports.speculators", "SpeculatorsExporter"),
+    "modelopt": ("hsx.exports.modelopt", "ModelOptExporter"),
 }
 
 
@@ -27,8 +27,8 @@ def export_job(target: str, source, out_dir, *, progress=None, **options):
 
     Raises `ExportRefused` when the job or the folder does not fit; returns an `ExportResult`.
     """
-    from app.exports.base import run_export
-    from app.training.reader import load_job
+    from hsx.exports.base import run_export
+    from hsx.training.reader import load_job
 
     exporter = exporter_class(target)(load_job(source), **options)
     return run_export(exporter, out_dir, progress=progress)

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable, ClassVar
 
 import torch
-
-from app.storage.atomic import atomic_writer
-from app.training.reader import Job, ShardReader, layer_key
+from hsx.storage.atomic import atomic_writer
+from hsx.training.reader import Job, ShardReader, layer_key
 
 RECORD_NAME = "hsx-export.json"
 RECORD_FORMAT = "hsx-export/1"
@@ -66,12 +65,13 @@ def require_num_layers(job: Job, num_layers: int | None) -> int:
     """L, the model's number of decoder layers: from the manifest, or --num-layers when it lacks it."""
     declared = job.num_hidden_layers
     if num_layers is not None and declared is not None and int(num_layers) != declared:
-        raise ExportRefused(f"--num-layers {num_layers} contradicts the manifest's model.num_hidden_layers "
-                            f"{declared}")
+        raise ExportRefused(f"--num-layers {num_layers} contradicts the manifest's model.num_hidden_layers {declared}")
     value = declared if declared is not None else num_layers
     if value is None:
-        raise ExportRefused("the manifest does not record model.num_hidden_layers, so which captured layer is "
-                            "the final (post-norm) one is unknown; pass --num-layers")
+        raise ExportRefused(
+            "the manifest does not record model.num_hidden_layers, so which captured layer is "
+            "the final (post-norm) one is unknown; pass --num-layers"
+        )
     if int(value) < 1:
         raise ExportRefused(f"number of layers must be positive, got {value}")
     return int(value)
@@ -80,8 +80,9 @@ def require_num_layers(job: Job, num_layers: int | None) -> int:
 def require_layers(job: Job, target: str, wanted: list[int], what: str) -> None:
     missing = [i for i in wanted if i not in job.layers]
     if missing:
-        raise ExportRefused(f"{target} needs layers {wanted} ({what}); the job captured {job.layers}, "
-                            f"without {missing}")
+        raise ExportRefused(
+            f"{target} needs layers {wanted} ({what}); the job captured {job.layers}, without {missing}"
+        )
 
 
 class Exporter(ABC):
@@ -147,14 +148,18 @@ def _check_folder(out_dir: Path, record: dict, plan: list[PlannedFile]) -> bool:
         raise ExportRefused(f"{record_path} is unreadable; export into an empty folder")
     for key in ("target", "job_id", "settings"):
         if old.get(key) != record[key]:
-            raise ExportRefused(f"{out_dir} holds a {old.get('target')} export of job {old.get('job_id')} with "
-                                f"other settings ({key}: {old.get(key)!r}, now {record[key]!r}); "
-                                "export into an empty folder")
+            raise ExportRefused(
+                f"{out_dir} holds a {old.get('target')} export of job {old.get('job_id')} with "
+                f"other settings ({key}: {old.get(key)!r}, now {record[key]!r}); "
+                "export into an empty folder"
+            )
     new_files = {p.rel_path: p.sample_id for p in plan}
     for rel, sid in old.get("files", []):
         if new_files.get(rel) != sid:
-            raise ExportRefused(f"{out_dir}/{rel} holds sample {sid!r} but the job now maps it to "
-                                f"{new_files.get(rel)!r}; export into an empty folder")
+            raise ExportRefused(
+                f"{out_dir}/{rel} holds sample {sid!r} but the job now maps it to "
+                f"{new_files.get(rel)!r}; export into an empty folder"
+            )
     return bool(old.get("complete")) and old == {**record, "complete": True}
 
 
@@ -171,8 +176,9 @@ def _write_record(path: Path, record: dict) -> None:
         f.write(json.dumps(record, indent=1).encode() + b"\n")
 
 
-def run_export(exporter: Exporter, out_dir: str | os.PathLike,
-               progress: Callable[[int, int], None] | None = None) -> ExportResult:
+def run_export(
+    exporter: Exporter, out_dir: str | os.PathLike, progress: Callable[[int, int], None] | None = None
+) -> ExportResult:
     """Write every planned file not yet complete in `out_dir`; see the module docstring."""
     out_dir = Path(out_dir)
     job = exporter.job

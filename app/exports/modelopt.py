@@ -27,9 +27,8 @@ import re
 from typing import BinaryIO
 
 import torch
-
-from app.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
-from app.training.reader import Job, layer_key
+from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
+from hsx.training.reader import Job, layer_key
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,150}$")
 
@@ -58,11 +57,16 @@ class ModelOptExporter(Exporter):
         else:
             self.aux_layers = sorted(set(int(i) for i in aux_layers))  # Model Optimizer sorts its aux ids
         if not self.aux_layers or any(not 1 <= i <= self.num_layers - 1 for i in self.aux_layers):
-            raise ExportRefused(f"aux layers {self.aux_layers} must lie in 1..{self.num_layers - 1} "
-                                "(outputs of decoder layers 0..L-2)")
-        require_layers(job, self.target, self.aux_layers + [self.num_layers],
-                       f"aux {self.aux_layers} = hidden_states[lid + 1] for Model Optimizer aux layer ids "
-                       f"{[i - 1 for i in self.aux_layers]}, plus {self.num_layers} = the final layer after the norm")
+            raise ExportRefused(
+                f"aux layers {self.aux_layers} must lie in 1..{self.num_layers - 1} (outputs of decoder layers 0..L-2)"
+            )
+        require_layers(
+            job,
+            self.target,
+            self.aux_layers + [self.num_layers],
+            f"aux {self.aux_layers} = hidden_states[lid + 1] for Model Optimizer aux layer ids "
+            f"{[i - 1 for i in self.aux_layers]}, plus {self.num_layers} = the final layer after the norm",
+        )
         self._names = self._file_names()
 
     def _file_names(self) -> list[str]:
@@ -87,17 +91,22 @@ class ModelOptExporter(Exporter):
         ids = [i - 1 for i in self.aux_layers]
         line = f"aux_hidden_states = hsx layers {self.aux_layers} (Model Optimizer aux layer ids {ids}"
         line += ", its default)" if ids == modelopt_default_aux_ids(self.num_layers) else "; configure these)"
-        return [line, f"hidden_states = hsx layer {self.num_layers} (after the final norm; "
-                      "hidden_states_prenorm = False)",
-                "train with answer_only_loss to use the stored loss_mask (otherwise Model Optimizer uses all ones)"]
+        return [
+            line,
+            f"hidden_states = hsx layer {self.num_layers} (after the final norm; hidden_states_prenorm = False)",
+            "train with answer_only_loss to use the stored loss_mask (otherwise Model Optimizer uses all ones)",
+        ]
 
     def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: dict, planned: PlannedFile) -> None:
         aux = self.layer_rows(rows, self.aux_layers)
-        torch.save({
-            "input_ids": own(rows["input_ids"].to(torch.int64)),
-            "hidden_states": own(rows[layer_key(self.num_layers)]),
-            "aux_hidden_states": own(aux[0] if len(aux) == 1 else torch.cat(aux, dim=-1)),
-            "loss_mask": own(rows["loss_mask"].to(torch.int64)),
-            "conversation_id": str(entry["id"]),
-            "hidden_states_prenorm": False,
-        }, f)
+        torch.save(
+            {
+                "input_ids": own(rows["input_ids"].to(torch.int64)),
+                "hidden_states": own(rows[layer_key(self.num_layers)]),
+                "aux_hidden_states": own(aux[0] if len(aux) == 1 else torch.cat(aux, dim=-1)),
+                "loss_mask": own(rows["loss_mask"].to(torch.int64)),
+                "conversation_id": str(entry["id"]),
+                "hidden_states_prenorm": False,
+            },
+            f,
+        )

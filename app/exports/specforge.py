@@ -22,10 +22,9 @@ from __future__ import annotations
 from typing import BinaryIO
 
 import torch
-
-from app.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
-from app.training.layers import eagle3_aux_layers
-from app.training.reader import Job, layer_key
+from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
+from hsx.training.layers import eagle3_aux_layers
+from hsx.training.reader import Job, layer_key
 
 DEFAULT_GROUP_SIZE = 2000
 
@@ -33,8 +32,14 @@ DEFAULT_GROUP_SIZE = 2000
 class SpecForgeExporter(Exporter):
     target = "specforge"
 
-    def __init__(self, job: Job, *, num_layers: int | None = None, aux_layers: list[int] | None = None,
-                 group_size: int = DEFAULT_GROUP_SIZE):
+    def __init__(
+        self,
+        job: Job,
+        *,
+        num_layers: int | None = None,
+        aux_layers: list[int] | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+    ):
         super().__init__(job)
         if group_size < 1:
             raise ExportRefused(f"group size must be positive, got {group_size}")
@@ -45,14 +50,20 @@ class SpecForgeExporter(Exporter):
         if self.num_layers in self.aux_layers or any(not 0 <= i < self.num_layers for i in self.aux_layers):
             raise ExportRefused(f"aux layers {self.aux_layers} must lie in 0..{self.num_layers - 1}")
         self.group_size = group_size
-        require_layers(job, self.target, self.aux_layers + [self.num_layers],
-                       f"aux {self.aux_layers} = SpecForge aux_hidden_state_layer_ids "
-                       f"{[i - 1 for i in self.aux_layers]}, plus {self.num_layers} = the final layer after the norm")
+        require_layers(
+            job,
+            self.target,
+            self.aux_layers + [self.num_layers],
+            f"aux {self.aux_layers} = SpecForge aux_hidden_state_layer_ids "
+            f"{[i - 1 for i in self.aux_layers]}, plus {self.num_layers} = the final layer after the norm",
+        )
 
     def plan(self) -> list[PlannedFile]:
         g = self.group_size
-        return [PlannedFile(f"rows_{i // g * g}-{i // g * g + g}/data_{i}.ckpt", i, s["id"])
-                for i, s in enumerate(self.job.samples)]
+        return [
+            PlannedFile(f"rows_{i // g * g}-{i // g * g + g}/data_{i}.ckpt", i, s["id"])
+            for i, s in enumerate(self.job.samples)
+        ]
 
     def keys(self) -> list[str]:
         return ["input_ids", "loss_mask"] + [layer_key(i) for i in self.aux_layers + [self.num_layers]]
@@ -69,9 +80,12 @@ class SpecForgeExporter(Exporter):
 
     def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: dict, planned: PlannedFile) -> None:
         aux = torch.cat(self.layer_rows(rows, self.aux_layers), dim=-1)
-        torch.save({
-            "input_ids": own(rows["input_ids"].to(torch.int64)),
-            "loss_mask": own(rows["loss_mask"].to(torch.int64)),
-            "aux_hidden_state": own(aux.unsqueeze(0)),
-            "hidden_state": own(rows[layer_key(self.num_layers)].unsqueeze(0)),
-        }, f)
+        torch.save(
+            {
+                "input_ids": own(rows["input_ids"].to(torch.int64)),
+                "loss_mask": own(rows["loss_mask"].to(torch.int64)),
+                "aux_hidden_state": own(aux.unsqueeze(0)),
+                "hidden_state": own(rows[layer_key(self.num_layers)].unsqueeze(0)),
+            },
+            f,
+        )

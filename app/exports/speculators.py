@@ -28,17 +28,21 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
+from hsx.storage.atomic import atomic_writer
+from hsx.training.layers import eagle3_aux_layers
+from hsx.training.reader import Job, ShardReader, layer_key
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from app.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
-from app.storage.atomic import atomic_writer
-from app.training.layers import eagle3_aux_layers
-from app.training.reader import Job, ShardReader, layer_key
-
 SAMPLES_NAME = "hsx_samples.jsonl"
-NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
-             "model.model.norm.weight", "norm.weight")
+NORM_KEYS = (
+    "model.norm.weight",
+    "model.language_model.norm.weight",
+    "language_model.model.norm.weight",
+    "model.model.norm.weight",
+    "norm.weight",
+)
 RMS_TOLERANCE = 0.02
 
 
@@ -62,43 +66,61 @@ def load_final_norm_weight(path: str | Path, key: str | None = None) -> tuple[to
             for k in candidates:
                 if k in names:
                     return f.get_tensor(k), f"{file.name}:{k}"
-    raise ExportRefused(f"--final-norm-weight {path}: no tensor named {' or '.join(candidates)}; "
-                        "name it with --final-norm-key")
+    raise ExportRefused(
+        f"--final-norm-weight {path}: no tensor named {' or '.join(candidates)}; name it with --final-norm-key"
+    )
 
 
 def norm_refusal(hidden_size: int) -> str:
-    return ("speculators stores the last layer before the final norm and its trainer applies the verifier's "
-            "norm to it; this job's last layer is after the final norm (hsx numbering), so exported as is the "
-            "norm would be applied twice. Pass --final-norm-weight <checkpoint> (the target model's final norm, "
-            f"{hidden_size} values) to store it with the norm's scale divided out, or use the specforge or "
-            "modelopt export, which take the post-norm layer")
+    return (
+        "speculators stores the last layer before the final norm and its trainer applies the verifier's "
+        "norm to it; this job's last layer is after the final norm (hsx numbering), so exported as is the "
+        "norm would be applied twice. Pass --final-norm-weight <checkpoint> (the target model's final norm, "
+        f"{hidden_size} values) to store it with the norm's scale divided out, or use the specforge or "
+        "modelopt export, which take the post-norm layer"
+    )
 
 
 class SpeculatorsExporter(Exporter):
     target = "speculators"
 
-    def __init__(self, job: Job, *, num_layers: int | None = None, aux_layers: list[int] | None = None,
-                 final_norm_weight: str | Path | None = None, final_norm_key: str | None = None,
-                 final_norm_offset: float = 0.0):
+    def __init__(
+        self,
+        job: Job,
+        *,
+        num_layers: int | None = None,
+        aux_layers: list[int] | None = None,
+        final_norm_weight: str | Path | None = None,
+        final_norm_key: str | None = None,
+        final_norm_offset: float = 0.0,
+    ):
         super().__init__(job)
         self.num_layers = require_num_layers(job, num_layers)
         self.aux_layers = list(aux_layers) if aux_layers is not None else eagle3_aux_layers(self.num_layers)
         aux = self.aux_layers
         if not aux or self.num_layers in aux or len(set(aux)) != len(aux):
-            raise ExportRefused(f"aux layers {self.aux_layers} must be distinct and exclude the last layer "
-                                f"{self.num_layers}")
-        require_layers(job, self.target, self.aux_layers + [self.num_layers],
-                       f"target_layer_ids {self.aux_layers + [self.num_layers]}: the aux layers, then the last layer")
+            raise ExportRefused(
+                f"aux layers {self.aux_layers} must be distinct and exclude the last layer {self.num_layers}"
+            )
+        require_layers(
+            job,
+            self.target,
+            self.aux_layers + [self.num_layers],
+            f"target_layer_ids {self.aux_layers + [self.num_layers]}: the aux layers, then the last layer",
+        )
         if final_norm_weight is None:
             raise ExportRefused(norm_refusal(job.hidden_size))
         weight, self.norm_source = load_final_norm_weight(final_norm_weight, final_norm_key)
         if tuple(weight.shape) != (job.hidden_size,):
-            raise ExportRefused(f"final norm weight {self.norm_source} has shape {tuple(weight.shape)}, "
-                                f"the job's hidden size is {job.hidden_size}")
+            raise ExportRefused(
+                f"final norm weight {self.norm_source} has shape {tuple(weight.shape)}, "
+                f"the job's hidden size is {job.hidden_size}"
+            )
         self.scale = weight.to(torch.float32) + float(final_norm_offset)
         if bool((self.scale.abs() < 1e-12).any()) or not bool(torch.isfinite(self.scale).all()):
-            raise ExportRefused(f"final norm scale from {self.norm_source} has zero or non-finite entries; "
-                                "the norm cannot be undone")
+            raise ExportRefused(
+                f"final norm scale from {self.norm_source} has zero or non-finite entries; the norm cannot be undone"
+            )
         self.final_norm_offset = float(final_norm_offset)
         self.scale_sha256 = hashlib.sha256(self.scale.numpy().tobytes()).hexdigest()
 
@@ -113,17 +135,21 @@ class SpeculatorsExporter(Exporter):
         return ["input_ids"] + [layer_key(i) for i in self.target_layer_ids]
 
     def settings(self) -> dict:
-        return {"target_layer_ids": self.target_layer_ids,
-                "final_norm": {"scale_sha256": self.scale_sha256, "offset": self.final_norm_offset}}
+        return {
+            "target_layer_ids": self.target_layer_ids,
+            "final_norm": {"scale_sha256": self.scale_sha256, "offset": self.final_norm_offset},
+        }
 
     def notes(self) -> list[str]:
-        return [f"hidden_states[:, k] = hsx layers {self.target_layer_ids} (launch_vllm --target-layer-ids "
-                f"{' '.join(map(str, self.aux_layers))}); the last one is layer {self.num_layers} with the final "
-                f"norm's scale ({self.norm_source}) divided out",
-                f"{SAMPLES_NAME}: one row per hs_<index> with input_ids, loss_mask and seq_len; build the "
-                "training dataset from it: datasets.Dataset.from_json(...).select_columns(['input_ids', "
-                "'loss_mask', 'seq_len']).with_format('torch').save_to_disk(DATA), then train with --data-path DATA "
-                "--hidden-states-path <out>/hidden_states"]
+        return [
+            f"hidden_states[:, k] = hsx layers {self.target_layer_ids} (launch_vllm --target-layer-ids "
+            f"{' '.join(map(str, self.aux_layers))}); the last one is layer {self.num_layers} with the final "
+            f"norm's scale ({self.norm_source}) divided out",
+            f"{SAMPLES_NAME}: one row per hs_<index> with input_ids, loss_mask and seq_len; build the "
+            "training dataset from it: datasets.Dataset.from_json(...).select_columns(['input_ids', "
+            "'loss_mask', 'seq_len']).with_format('torch').save_to_disk(DATA), then train with --data-path DATA "
+            "--hidden-states-path <out>/hidden_states",
+        ]
 
     def unnormed_last(self, last: torch.Tensor, sample_id: object) -> torch.Tensor:
         x = last.to(torch.float32) / self.scale
@@ -131,10 +157,12 @@ class SpeculatorsExporter(Exporter):
         worst = (rms - 1).abs()
         if worst.numel() and float(worst.max()) > RMS_TOLERANCE:
             row = int(worst.argmax())
-            raise ExportRefused(f"sample {sample_id!r} row {row}: layer {self.num_layers} divided by the final norm's "
-                                f"scale ({self.norm_source} + {self.final_norm_offset}) has RMS {float(rms[row]):.4f}, "
-                                "not 1: the weight is not this model's, or its norm is not x / rms(x) * (weight + "
-                                "offset) (Gemma-style norms use offset 1)")
+            raise ExportRefused(
+                f"sample {sample_id!r} row {row}: layer {self.num_layers} divided by the final norm's "
+                f"scale ({self.norm_source} + {self.final_norm_offset}) has RMS {float(rms[row]):.4f}, "
+                "not 1: the weight is not this model's, or its norm is not x / rms(x) * (weight + "
+                "offset) (Gemma-style norms use offset 1)"
+            )
         return x.to(last.dtype)
 
     def preflight(self, reader: ShardReader) -> None:
@@ -146,8 +174,11 @@ class SpeculatorsExporter(Exporter):
     def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: dict, planned: PlannedFile) -> None:
         layers = self.layer_rows(rows, self.aux_layers)
         layers.append(self.unnormed_last(rows[layer_key(self.num_layers)], entry["id"]))
-        f.write(safetensors_bytes({"hidden_states": own(torch.stack(layers, dim=1)),
-                                   "token_ids": own(rows["input_ids"].to(torch.int64))}))
+        f.write(
+            safetensors_bytes(
+                {"hidden_states": own(torch.stack(layers, dim=1)), "token_ids": own(rows["input_ids"].to(torch.int64))}
+            )
+        )
 
     def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:
         path = out_dir / SAMPLES_NAME
@@ -155,7 +186,12 @@ class SpeculatorsExporter(Exporter):
             with atomic_writer(path) as f:
                 for i, entry in enumerate(self.job.samples):
                     rows = reader.sample(entry, ["input_ids", "loss_mask"])
-                    line = {"index": i, "id": entry["id"], "input_ids": rows["input_ids"].tolist(),
-                            "loss_mask": rows["loss_mask"].tolist(), "seq_len": int(entry["num_tokens"])}
+                    line = {
+                        "index": i,
+                        "id": entry["id"],
+                        "input_ids": rows["input_ids"].tolist(),
+                        "loss_mask": rows["loss_mask"].tolist(),
+                        "seq_len": int(entry["num_tokens"]),
+                    }
                     f.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
         return [SAMPLES_NAME]

@@ -1,16 +1,19 @@
-"""`python -m app.reference ...`: the same as `hsx reference-server ...`."""
+"""`python -m hsx.reference ...`: the same as `hsx reference-server ...`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from app.reference import cli
+from hsx.reference import cli
 
 
 def _main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.reference", description=cli.DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m hsx.reference",
+        description=cli.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cli.add_arguments(parser)
     return cli.main(parser.parse_args())
 

@@ -1,4 +1,4 @@
-"""Command line of the reference server: `hsx reference-server` and `python -m app.reference`."""
+"""Command line of the reference server: `hsx reference-server` and `python -m hsx.reference`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ Every forward request, warm-up and health checks included, writes its prefill hi
 Synthetic mode (--synthetic), for benchmarks: no model; a model of the shape that --hidden-size,
 --num-layers, --vocab-size and --dtype give, whose hidden states are rows of a seeded random table
 chosen by a hash of (token, previous token, position, layer): a deterministic function that
-app.reference.synthetic.synthetic_hidden_states() recomputes. Prefill time is simulated
+hsx.reference.synthetic.synthetic_hidden_states() recomputes. Prefill time is simulated
 (--prefill-us-per-token, --per-request-us); in rid mode --max-batch > 1 runs concurrent requests
 as batches (the batch costs its longest prompt's time plus --per-request-us per request).
 
@@ -55,88 +55,121 @@ def _layer_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", metavar="PATH", default=None,
+        "--model",
+        metavar="PATH",
+        default=None,
         help="local transformers checkpoint directory (never downloaded); default: the embedded "
-             "tiny Llama (8 layers, hidden 64, vocab 512, fixed seed, bfloat16)",
+        "tiny Llama (8 layers, hidden 64, vocab 512, fixed seed, bfloat16)",
     )
     parser.add_argument(
-        "--dump-root", metavar="DIR", default="/dev/shm/sglang_hs",
-        help="directory that receives one req_<key>/ per forward request; created if missing "
-             "(default: %(default)s)",
+        "--dump-root",
+        metavar="DIR",
+        default="/dev/shm/sglang_hs",
+        help="directory that receives one req_<key>/ per forward request; created if missing (default: %(default)s)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=30000, help="TCP port to listen on (default: %(default)s)")
     parser.add_argument(
-        "--name-by", choices=("counter", "rid"), default="counter",
+        "--name-by",
+        choices=("counter", "rid"),
+        default="counter",
         help="name dump directories by the request counter (req_0, req_1, ... from process start) or by "
-             "the request's rid (req_<rid>) (default: %(default)s)",
+        "the request's rid (req_<rid>) (default: %(default)s)",
     )
     parser.add_argument(
-        "--layers", type=_layer_list, metavar="I,J,...", default=None,
+        "--layers",
+        type=_layer_list,
+        metavar="I,J,...",
+        default=None,
         help="hidden-state layers to dump, HF numbering (0 = embeddings, L = last layer after the final "
-             "norm); default: EAGLE-3's 2,L//2,L-3,L",
+        "norm); default: EAGLE-3's 2,L//2,L-3,L",
     )
     parser.add_argument(
-        "--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+        "--dtype",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        default="auto",
         help="model and dump dtype; auto = the checkpoint's own (bfloat16 for the embedded model) "
-             "(default: %(default)s)",
+        "(default: %(default)s)",
     )
     parser.add_argument(
-        "--skip-server-warmup", action="store_true",
+        "--skip-server-warmup",
+        action="store_true",
         help="do not send the start-up warm-up /generate (which otherwise consumes counter 0); "
-             "/health answers 200 at once",
+        "/health answers 200 at once",
     )
     parser.add_argument(
-        "--enable-return-hidden-states", action="store_true",
+        "--enable-return-hidden-states",
+        action="store_true",
         help="honour return_hidden_states in /generate: meta_info.hidden_states gets the prompt's "
-             "last-layer rows as float lists",
+        "last-layer rows as float lists",
     )
 
     synthetic = parser.add_argument_group("synthetic mode (benchmarks; no model compute)")
     synthetic.add_argument(
-        "--synthetic", action="store_true",
+        "--synthetic",
+        action="store_true",
         help="serve synthetic hidden states of a realistic shape instead of running a model "
-             "(model_path hsx-synthetic; --dtype auto means bfloat16)",
+        "(model_path hsx-synthetic; --dtype auto means bfloat16)",
     )
     synthetic.add_argument("--hidden-size", type=int, default=None, metavar="N", help="hidden size (default: 4096)")
     synthetic.add_argument(
-        "--num-layers", type=int, default=None, metavar="L",
+        "--num-layers",
+        type=int,
+        default=None,
+        metavar="L",
         help="decoder layers; the captured layers default to EAGLE-3's 2,L//2,L-3,L (default: 32)",
     )
     synthetic.add_argument("--vocab-size", type=int, default=None, metavar="N", help="vocabulary size (default: 32000)")
     synthetic.add_argument(
-        "--context-length", type=int, default=None, metavar="N",
+        "--context-length",
+        type=int,
+        default=None,
+        metavar="N",
         help="longest prompt accepted, reported as max_position_embeddings (default: 131072)",
     )
     synthetic.add_argument("--seed", type=int, default=None, help="seed of the synthetic content (default: 0)")
     synthetic.add_argument(
-        "--prefill-us-per-token", type=float, default=None, metavar="US",
+        "--prefill-us-per-token",
+        type=float,
+        default=None,
+        metavar="US",
         help="simulated prefill time per prompt token, in microseconds (default: 0)",
     )
     synthetic.add_argument(
-        "--per-request-us", type=float, default=None, metavar="US",
+        "--per-request-us",
+        type=float,
+        default=None,
+        metavar="US",
         help="simulated fixed cost of every request in a batch, in microseconds (default: 0)",
     )
     synthetic.add_argument(
-        "--max-batch", type=int, default=None, metavar="N",
+        "--max-batch",
+        type=int,
+        default=None,
+        metavar="N",
         help="rid mode: concurrent requests waiting together run as one batch of up to N, costing the "
-             "longest prompt's time plus --per-request-us each; counter mode stays serialised (default: 1)",
+        "longest prompt's time plus --per-request-us each; counter mode stays serialised (default: 1)",
     )
 
     faults = parser.add_argument_group("fault injection (tests)")
     faults.add_argument(
-        "--enable-fault-injection", action="store_true",
+        "--enable-fault-injection",
+        action="store_true",
         help="mount the admin API GET/POST/DELETE /admin/faults (see above)",
     )
     faults.add_argument(
-        "--enable-radix-cache", action="store_true",
+        "--enable-radix-cache",
+        action="store_true",
         help="report disable_radix_cache=false and serve repeated prompt prefixes from a prefix cache: "
-             "meta and reply cached_tokens > 0, and the dump holds only the non-cached rows",
+        "meta and reply cached_tokens > 0, and the dump holds only the non-cached rows",
     )
     faults.add_argument(
-        "--chunked-prefill-size", type=int, default=-1, metavar="N",
+        "--chunked-prefill-size",
+        type=int,
+        default=-1,
+        metavar="N",
         help="report it and dump a prompt longer than N tokens as one dump per N-token chunk "
-             "(-1: off) (default: %(default)s)",
+        "(-1: off) (default: %(default)s)",
     )
 
 
@@ -153,17 +186,17 @@ SYNTHETIC_DEFAULTS = {
 
 
 def _synthetic_runner(args: argparse.Namespace):
-    from app.reference.common import default_capture_layers
-    from app.reference.synthetic import SyntheticRunner
+    from hsx.reference.common import default_capture_layers
+    from hsx.reference.synthetic import SyntheticRunner
 
     opts = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in SYNTHETIC_DEFAULTS.items()}
     layers = args.layers if args.layers is not None else default_capture_layers(opts["num_layers"])
     batching = args.name_by == "rid" and opts["max_batch"] > 1
     if opts["max_batch"] > 1 and not batching:
-        print("note: --max-batch only batches in rid mode; counter mode serves one request at a time",
-              file=sys.stderr)
-    return SyntheticRunner(dtype="bfloat16" if args.dtype == "auto" else args.dtype, layers=layers,
-                           batching=batching, **opts)
+        print("note: --max-batch only batches in rid mode; counter mode serves one request at a time", file=sys.stderr)
+    return SyntheticRunner(
+        dtype="bfloat16" if args.dtype == "auto" else args.dtype, layers=layers, batching=batching, **opts
+    )
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
@@ -188,15 +221,15 @@ def main(args: argparse.Namespace) -> int:
         return 2
     # Imported here so `--help` and usage errors stay fast: torch and transformers take seconds to
     # import (and synthetic mode never imports transformers).
-    from app.reference.dumper import DumpWriter
-    from app.reference.faults import FaultInjector, PrefixCache
-    from app.reference.server import Engine, ServerSettings, log, run_server
+    from hsx.reference.dumper import DumpWriter
+    from hsx.reference.faults import FaultInjector, PrefixCache
+    from hsx.reference.server import Engine, ServerSettings, log, run_server
 
     try:
         if args.synthetic:
             runner = _synthetic_runner(args)
         else:
-            from app.reference.model import ModelRunner, default_capture_layers, load_model
+            from hsx.reference.model import ModelRunner, default_capture_layers, load_model
 
             model, model_path = load_model(args.model, args.dtype)
             num_layers = int(model.config.num_hidden_layers)
@@ -211,7 +244,9 @@ def main(args: argparse.Namespace) -> int:
     boot_id = uuid.uuid4().hex
     writer = DumpWriter(dump_root, boot_id=boot_id, dtype_name=runner.dtype_name, hidden_size=runner.hidden_size)
     engine = Engine(
-        runner, writer, args.name_by,
+        runner,
+        writer,
+        args.name_by,
         faults=FaultInjector() if args.enable_fault_injection else None,
         prefix_cache=PrefixCache() if args.enable_radix_cache else None,
         chunked_prefill_size=args.chunked_prefill_size,
@@ -225,10 +260,15 @@ def main(args: argparse.Namespace) -> int:
         skip_server_warmup=args.skip_server_warmup,
         enable_return_hidden_states=args.enable_return_hidden_states,
     )
-    extras = [name for name, on in (("fault-injection", args.enable_fault_injection),
-                                     ("radix-cache", args.enable_radix_cache),
-                                     (f"chunked-prefill={args.chunked_prefill_size}",
-                                      args.chunked_prefill_size > 0)) if on]
+    extras = [
+        name
+        for name, on in (
+            ("fault-injection", args.enable_fault_injection),
+            ("radix-cache", args.enable_radix_cache),
+            (f"chunked-prefill={args.chunked_prefill_size}", args.chunked_prefill_size > 0),
+        )
+        if on
+    ]
     log(
         f"model={runner.model_path} dtype={runner.dtype_name} hidden={runner.hidden_size} layers={runner.layers} "
         f"dump_root={dump_root} name_by={args.name_by} boot_id={boot_id}"

@@ -35,7 +35,7 @@ def _tensor_buffers(t: torch.Tensor) -> list[memoryview]:
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
     for start in range(0, len(buffers), IOV_MAX):
-        chunk = buffers[start:start + IOV_MAX]
+        chunk = buffers[start : start + IOV_MAX]
         written = os.writev(fd, chunk)
         if written == sum(len(b) for b in chunk):
             continue
@@ -46,7 +46,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
             rest = b[written:]
             written = 0
             while rest:
-                rest = rest[os.write(fd, rest):]
+                rest = rest[os.write(fd, rest) :]
 
 
 def save_streamed(tensors: dict[str, object], path: Path) -> None:
@@ -59,8 +59,11 @@ def save_streamed(tensors: dict[str, object], path: Path) -> None:
         if t.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: cannot stream dtype {t.dtype}")
         nbytes = math.prod(t.shape) * t.dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
         buffers.extend(_tensor_buffers(t) if isinstance(t, torch.Tensor) else t.buffers())
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -119,14 +122,16 @@ class DumpWriter:
             tensors = {f"layer_{i}": t.contiguous() for i, t in hidden_states.items()}
             save_file(tensors, str(directory / HIDDEN_STATES_FILE))
         else:  # synthetic mode's lazy row gathers
-            save_streamed({f"layer_{i}": hidden_states[i] for i in sorted(hidden_states)},
-                          directory / HIDDEN_STATES_FILE)
+            save_streamed(
+                {f"layer_{i}": hidden_states[i] for i in sorted(hidden_states)}, directory / HIDDEN_STATES_FILE
+            )
 
     def write_input_ids(self, directory: Path, input_ids: Sequence[int]) -> None:
         save_file({"input_ids": torch.tensor(list(input_ids), dtype=torch.int64)}, str(directory / INPUT_IDS_FILE))
 
-    def build_meta(self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int],
-                   cached_tokens: int = 0) -> dict:
+    def build_meta(
+        self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int], cached_tokens: int = 0
+    ) -> dict:
         return {
             "num_tokens": len(input_ids),
             "layers": layers,

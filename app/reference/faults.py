@@ -72,16 +72,30 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-
-from app.reference.common import as_tensor
-from app.reference.dumper import HIDDEN_STATES_FILE, DumpWriter
+from hsx.reference.common import as_tensor
+from hsx.reference.dumper import HIDDEN_STATES_FILE, DumpWriter
 
 BAD_DUMP_KINDS = (
-    "missing_layer", "truncated", "unreadable", "wrong_shape", "wrong_dtype", "nan", "inf",
-    "wrong_num_tokens", "wrong_ids", "cached_tokens", "missing_meta_field", "bad_meta_json",
+    "missing_layer",
+    "truncated",
+    "unreadable",
+    "wrong_shape",
+    "wrong_dtype",
+    "nan",
+    "inf",
+    "wrong_num_tokens",
+    "wrong_ids",
+    "cached_tokens",
+    "missing_meta_field",
+    "bad_meta_json",
 )
 INJECTED_KINDS = (
-    "foreign_dump", "health_like_dump", "delay", "unavailable", "late_done", "never_done",
+    "foreign_dump",
+    "health_like_dump",
+    "delay",
+    "unavailable",
+    "late_done",
+    "never_done",
     *(f"bad_dump.{kind}" for kind in BAD_DUMP_KINDS),
 )
 MAX_FOREIGN = 64
@@ -200,7 +214,8 @@ class FaultInjector:
             for key, item in value.items():
                 if key not in DEFAULT_SETTINGS[section]:
                     raise FaultSettingsError(
-                        f"unknown setting {section}.{key}; expected one of {list(DEFAULT_SETTINGS[section])}")
+                        f"unknown setting {section}.{key}; expected one of {list(DEFAULT_SETTINGS[section])}"
+                    )
                 new[section][key] = DEFAULT_SETTINGS[section][key] if item is None else _check(section, key, item)
         self.settings = new
         if "seed" in patch:
@@ -315,8 +330,9 @@ class BadDumpWriter(DumpWriter):
     def write_input_ids(self, directory: Path, input_ids: Sequence[int]) -> None:
         super().write_input_ids(directory, self._ids(input_ids))
 
-    def build_meta(self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int],
-                   cached_tokens: int = 0) -> dict:
+    def build_meta(
+        self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int], cached_tokens: int = 0
+    ) -> dict:
         meta = super().build_meta(rid, counter, self._ids(input_ids), layers, cached_tokens)
         if self.kind == "wrong_num_tokens":
             meta["num_tokens"] += 1

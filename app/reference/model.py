@@ -6,11 +6,11 @@ import inspect
 
 import torch
 import transformers
-from packaging.version import Version
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 # Re-exported: callers import these from here.
-from app.reference.common import DTYPES, ForwardResult, default_capture_layers, dtype_name  # noqa: F401
+from hsx.reference.common import DTYPES, ForwardResult, default_capture_layers, dtype_name  # noqa: F401
+from packaging.version import Version
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 EMBEDDED_MODEL_PATH = "hsx-embedded-tiny-llama"
 

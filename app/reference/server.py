@@ -18,14 +18,13 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from hsx.reference.common import ForwardResult
+from hsx.reference.dumper import DumpWriter
+from hsx.reference.faults import BadDumpWriter, FaultInjector, PrefixCache, SequencePlan, add_admin_routes, other_ids
 from starlette.concurrency import run_in_threadpool
 
-from app.reference.common import ForwardResult
-from app.reference.dumper import DumpWriter
-from app.reference.faults import BadDumpWriter, FaultInjector, PrefixCache, SequencePlan, add_admin_routes, other_ids
-
 if TYPE_CHECKING:  # the model module imports transformers, which synthetic mode never needs
-    from app.reference.model import ModelRunner
+    from hsx.reference.model import ModelRunner
 
 DUMP_PROTOCOL = 1
 DEFAULT_MAX_NEW_TOKENS = 16  # SGLang's default
@@ -75,9 +74,17 @@ class Engine:
     dump per chunk. faults (--enable-fault-injection) draws a SequencePlan per /generate sequence.
     """
 
-    def __init__(self, runner: ModelRunner, writer: DumpWriter, name_by: str, *,
-                 faults: FaultInjector | None = None, prefix_cache: PrefixCache | None = None,
-                 chunked_prefill_size: int = -1, concurrent: bool = False):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        writer: DumpWriter,
+        name_by: str,
+        *,
+        faults: FaultInjector | None = None,
+        prefix_cache: PrefixCache | None = None,
+        chunked_prefill_size: int = -1,
+        concurrent: bool = False,
+    ):
         self.runner = runner
         self.writer = writer
         self.name_by = name_by
@@ -114,8 +121,15 @@ class Engine:
     def _key(self, rid: str, counter: int) -> str:
         return rid if self.name_by == "rid" else str(counter)
 
-    def forward(self, input_ids: list[int], max_new_tokens: int, rid: str, *,
-                plan: SequencePlan | None = None, cacheable: bool = False) -> ForwardResult:
+    def forward(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        rid: str,
+        *,
+        plan: SequencePlan | None = None,
+        cacheable: bool = False,
+    ) -> ForwardResult:
         """One sequence's forward and its dump(s); `cacheable` for /generate prompts, not health checks."""
         with nullcontext() if self.concurrent else self._forward_lock:
             if plan is not None and plan.crash:
@@ -130,8 +144,9 @@ class Engine:
                 self._write_foreign(input_ids, j, health_like=health_like and j == 0)
         return result
 
-    def _forward(self, input_ids: list[int], max_new_tokens: int, rid: str, plan: SequencePlan | None,
-                 cacheable: bool) -> ForwardResult:
+    def _forward(
+        self, input_ids: list[int], max_new_tokens: int, rid: str, plan: SequencePlan | None, cacheable: bool
+    ) -> ForwardResult:
         counter = self._next_counter()
         started = time.monotonic()
         use_cache = cacheable and self.prefix_cache is not None
@@ -163,13 +178,29 @@ class Engine:
         )
         return result
 
-    def _write(self, key: str, rid: str, counter: int, input_ids: list[int], hidden: dict, cached: int,
-               plan: SequencePlan | None, result: ForwardResult) -> None:
+    def _write(
+        self,
+        key: str,
+        rid: str,
+        counter: int,
+        input_ids: list[int],
+        hidden: dict,
+        cached: int,
+        plan: SequencePlan | None,
+        result: ForwardResult,
+    ) -> None:
         bad = plan.bad_kind if plan is not None else None
         late = plan.late_done if plan is not None else None
         writer = BadDumpWriter(self.writer, bad, self.runner.vocab_size) if bad else self.writer
-        directory = writer.write(key, rid=rid, counter=counter, input_ids=input_ids, hidden_states=hidden,
-                                 cached_tokens=cached, done=late is None)
+        directory = writer.write(
+            key,
+            rid=rid,
+            counter=counter,
+            input_ids=input_ids,
+            hidden_states=hidden,
+            cached_tokens=cached,
+            done=late is None,
+        )
         if bad:
             self.faults.count(f"bad_dump.{bad}")
             log(f"fault: req_{key} written as bad dump {bad}")
@@ -404,8 +435,9 @@ def _loopback_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _warm_up(server: uvicorn.Server, base_url: str, vocab_size: int, ready: threading.Event,
-             failed: threading.Event) -> None:
+def _warm_up(
+    server: uvicorn.Server, base_url: str, vocab_size: int, ready: threading.Event, failed: threading.Event
+) -> None:
     """SGLang's warm-up: once serving, poll our own /get_model_info, then send one /generate."""
     try:
         while not server.started:
@@ -440,8 +472,9 @@ def run_server(engine: Engine, settings: ServerSettings) -> int:
     ready = threading.Event()
     failed = threading.Event()
     app = create_app(engine, settings, ready)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=30)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level="warning", access_log=False, timeout_graceful_shutdown=30
+    )
     server = uvicorn.Server(config)
     base_url = _loopback_url(settings.host, settings.port)
     if settings.skip_server_warmup:
@@ -449,14 +482,18 @@ def run_server(engine: Engine, settings: ServerSettings) -> int:
         log(f"{READY_MESSAGE} (warm-up skipped)")
     else:
         threading.Thread(
-            target=_warm_up, args=(server, base_url, engine.runner.vocab_size, ready, failed),
-            name="warm-up", daemon=True,
+            target=_warm_up,
+            args=(server, base_url, engine.runner.vocab_size, ready, failed),
+            name="warm-up",
+            daemon=True,
         ).start()
     log(f"starting the HTTP server on {base_url}")
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would kill the process
     # (or raise KeyboardInterrupt) before main() returns; these handlers absorb that re-raise.
-    previous = {sig: signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        sig: signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         server.run()
     finally:

@@ -40,8 +40,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-
-from app.reference.common import DTYPES, ForwardResult, dtype_name
+from hsx.reference.common import DTYPES, ForwardResult, dtype_name
 
 SYNTHETIC_MODEL_PATH = "hsx-synthetic"
 TABLE_ROWS = 2048  # a power of two: row = hash & (TABLE_ROWS - 1)
@@ -215,8 +214,13 @@ class SyntheticRunner:
         max_batch: int = 1,
         batching: bool = False,
     ):
-        for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers), ("vocab_size", vocab_size),
-                            ("context_length", context_length), ("max_batch", max_batch)):
+        for name, value in (
+            ("hidden_size", hidden_size),
+            ("num_layers", num_layers),
+            ("vocab_size", vocab_size),
+            ("context_length", context_length),
+            ("max_batch", max_batch),
+        ):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if prefill_us_per_token < 0 or per_request_us < 0:

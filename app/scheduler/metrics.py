@@ -55,13 +55,17 @@ class WriterMetrics:
 
     def render(self) -> list[str]:
         with self._lock:
-            lines = ["# HELP hsx_attempts_total Sample attempts by outcome and reason code; an ok attempt whose "
-                     "values the shard writer finds NaN or Inf counts again as outcome rejected.",
-                     "# TYPE hsx_attempts_total counter"]
+            lines = [
+                "# HELP hsx_attempts_total Sample attempts by outcome and reason code; an ok attempt whose "
+                "values the shard writer finds NaN or Inf counts again as outcome rejected.",
+                "# TYPE hsx_attempts_total counter",
+            ]
             for (outcome, code), n in sorted(self.attempts.items()):
                 lines.append(f'hsx_attempts_total{{outcome="{outcome}",reason="{code}"}} {n}')
-            lines += ["# HELP hsx_backend_request_seconds Time from request to validated dump, per attempt.",
-                      "# TYPE hsx_backend_request_seconds histogram"]
+            lines += [
+                "# HELP hsx_backend_request_seconds Time from request to validated dump, per attempt.",
+                "# TYPE hsx_backend_request_seconds histogram",
+            ]
             cumulative = 0
             for bound, n in zip(LATENCY_BUCKETS, self.latency_counts):
                 cumulative += n
@@ -70,13 +74,17 @@ class WriterMetrics:
             lines.append(f'hsx_backend_request_seconds_bucket{{le="+Inf"}} {cumulative}')
             lines.append(f"hsx_backend_request_seconds_sum {self.latency_sum}")
             lines.append(f"hsx_backend_request_seconds_count {cumulative}")
-            lines += ["# HELP hsx_tokens_extracted_total Tokens validated and staged by this writer.",
-                      "# TYPE hsx_tokens_extracted_total counter",
-                      f"hsx_tokens_extracted_total {self.tokens_extracted}",
-                      "# HELP hsx_bytes_staged_total Hidden-state bytes staged by this writer.",
-                      "# TYPE hsx_bytes_staged_total counter",
-                      f"hsx_bytes_staged_total {self.bytes_staged}"]
-        lines += ["# HELP hsx_tokens_per_second Tokens extracted per second over the last minute.",
-                  "# TYPE hsx_tokens_per_second gauge",
-                  f"hsx_tokens_per_second {self.tokens_per_second():.3f}"]
+            lines += [
+                "# HELP hsx_tokens_extracted_total Tokens validated and staged by this writer.",
+                "# TYPE hsx_tokens_extracted_total counter",
+                f"hsx_tokens_extracted_total {self.tokens_extracted}",
+                "# HELP hsx_bytes_staged_total Hidden-state bytes staged by this writer.",
+                "# TYPE hsx_bytes_staged_total counter",
+                f"hsx_bytes_staged_total {self.bytes_staged}",
+            ]
+        lines += [
+            "# HELP hsx_tokens_per_second Tokens extracted per second over the last minute.",
+            "# TYPE hsx_tokens_per_second gauge",
+            f"hsx_tokens_per_second {self.tokens_per_second():.3f}",
+        ]
         return lines

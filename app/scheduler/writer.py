@@ -32,18 +32,17 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import numpy as np
+from hsx.backends.dumps import DumpRejected, DumpRoot, load_staged
+from hsx.backends.extract import Expectation, Extractor
+from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
+from hsx.config import Settings
+from hsx.db import repository as repo
+from hsx.manifests import finish_job, job_dir
+from hsx.scheduler.metrics import WriterMetrics
+from hsx.scheduler.server_check import dump_breaking_settings
+from hsx.storage.shards import NonFiniteSamples, ShardSample, shard_name, write_shard
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
-
-from app.backends.dumps import DumpRejected, DumpRoot, load_staged
-from app.backends.extract import Expectation, Extractor
-from app.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
-from app.config import Settings
-from app.db import repository as repo
-from app.manifests import finish_job, job_dir
-from app.scheduler.metrics import WriterMetrics
-from app.scheduler.server_check import dump_breaking_settings
-from app.storage.shards import NonFiniteSamples, ShardSample, shard_name, write_shard
 
 log = logging.getLogger("hsx.writer")
 
@@ -134,17 +133,21 @@ class Writer:
 
     def start_thread(self) -> None:
         """Recover what a crash left behind, then run the loop in the background."""
-        requeued, kept = self._db(lambda s: repo.recover_writer(s, self.identity,
-                                                                lambda p: (Path(p) / "done").exists()))
+        requeued, kept = self._db(
+            lambda s: repo.recover_writer(s, self.identity, lambda p: (Path(p) / "done").exists())
+        )
         # Samples staged before a restart join the next shard of their job.
         for job_id in {x.job_id for x in self._db(lambda s: repo.staged_samples(s, self.identity))}:
             self._pending[job_id]
         if requeued or kept:
             log.info("recovered: %d samples requeued, %d staged samples kept", requeued, kept)
-        self._threads = [threading.Thread(target=self._run, args=(self.step, i), name=f"hsx-writer-{i}", daemon=True)
-                         for i in range(self.slots)]
-        self._threads.append(threading.Thread(target=self._run, args=(self.flush_step, 0), name="hsx-flusher",
-                                              daemon=True))
+        self._threads = [
+            threading.Thread(target=self._run, args=(self.step, i), name=f"hsx-writer-{i}", daemon=True)
+            for i in range(self.slots)
+        ]
+        self._threads.append(
+            threading.Thread(target=self._run, args=(self.flush_step, 0), name="hsx-flusher", daemon=True)
+        )
         for t in self._threads:
             t.start()
 
@@ -204,8 +207,16 @@ class Writer:
         if not force and time.monotonic() - self._reported_at < HEARTBEAT_S:
             return
         self._reported_at = time.monotonic()
-        self._db(lambda s: repo.report_writer(s, self.identity, state=self.status.state, reason=self.status.reason,
-                                              server=self.status.server, started_at=self._started_at))
+        self._db(
+            lambda s: repo.report_writer(
+                s,
+                self.identity,
+                state=self.status.state,
+                reason=self.status.reason,
+                server=self.status.server,
+                started_at=self._started_at,
+            )
+        )
 
     def _set_status(self, state: str, reason: str | None = None) -> None:
         if self.status.set(state, reason):
@@ -305,13 +316,19 @@ class Writer:
             "num_hidden_layers": model_info.get("num_hidden_layers"),
             "vocab_size": model_info.get("vocab_size"),
         }
-        self.extractor = Extractor(self.client, self.root, self.staging, name_by=name_by,
-                                   dump_wait_s=self.settings.dump_wait_s)
+        self.extractor = Extractor(
+            self.client, self.root, self.staging, name_by=name_by, dump_wait_s=self.settings.dump_wait_s
+        )
         self._outage = False
         self._checked_at = time.monotonic()
         self._backoff = 0.5
-        self.status.server = {"url": self.settings.backend_url, "name_by": name_by, "boot_id": boot_id,
-                              "model_path": model_info.get("model_path"), "layers": self._server_layers}
+        self.status.server = {
+            "url": self.settings.backend_url,
+            "name_by": name_by,
+            "boot_id": boot_id,
+            "model_path": model_info.get("model_path"),
+            "layers": self._server_layers,
+        }
         self._set_status("ready")
         return True
 
@@ -330,12 +347,14 @@ class Writer:
         ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
         rid = f"hsx-{c.job_id}-{c.idx}-t{c.try_number}"
         info = c.job_model_info or {}
-        expect = Expectation(layers=info.get("layers", c.job_layers), hidden_size=info.get("hidden_size"),
-                             dtype=info.get("dtype"))
+        expect = Expectation(
+            layers=info.get("layers", c.job_layers), hidden_size=info.get("hidden_size"), dtype=info.get("dtype")
+        )
         started = time.monotonic()
         try:
-            dump = self.extractor.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}",
-                                          expect=expect)
+            dump = self.extractor.extract(
+                ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}", expect=expect
+            )
         except BackendUnavailable as exc:
             self.metrics.attempt("interrupted", "server_unavailable")
             self.extractor, self._outage = None, True
@@ -351,22 +370,38 @@ class Writer:
                 log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
                 reason = f"internal_error: {type(exc).__name__}: {exc}"
             self.metrics.attempt("failed", reason)
-            outcome = self._db(lambda s: repo.record_failed_attempt(s, c, reason=reason,
-                                                                    max_attempts=self.settings.max_attempts))
+            outcome = self._db(
+                lambda s: repo.record_failed_attempt(s, c, reason=reason, max_attempts=self.settings.max_attempts)
+            )
             log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
             return
         self.metrics.backend_latency(time.monotonic() - started)
         meta = dump.meta
-        model = dict(self._model_info, layers=[int(i) for i in meta["layers"]],
-                     hidden_size=int(meta["hidden_size"]), dtype=meta["dtype"])
+        model = dict(
+            self._model_info,
+            layers=[int(i) for i in meta["layers"]],
+            hidden_size=int(meta["hidden_size"]),
+            dtype=meta["dtype"],
+        )
 
         def stage(s: Session) -> bool:
             if c.job_model_info is None and repo.set_job_model_info(s, c.job_id, model) != model:
-                repo.record_failed_attempt(s, c, reason="wrong_model: dump differs from the job's model",
-                                           max_attempts=self.settings.max_attempts)
+                repo.record_failed_attempt(
+                    s,
+                    c,
+                    reason="wrong_model: dump differs from the job's model",
+                    max_attempts=self.settings.max_attempts,
+                )
                 return False
-            repo.mark_staged(s, c, writer=self.identity, staged_path=str(dump.path),
-                             observed_tokens=dump.num_tokens, dump_key=dump.key, boot_id=meta.get("boot_id"))
+            repo.mark_staged(
+                s,
+                c,
+                writer=self.identity,
+                staged_path=str(dump.path),
+                observed_tokens=dump.num_tokens,
+                dump_key=dump.key,
+                boot_id=meta.get("boot_id"),
+            )
             return True
 
         if not self._db(stage):
@@ -467,13 +502,17 @@ class Writer:
                 chunks.append([])
                 size = 0
             ids = np.frombuffer(x.input_ids, dtype="<i4").astype(np.int64)
-            mask = (np.frombuffer(x.loss_mask, dtype=np.uint8) if x.loss_mask is not None
-                    else np.ones(len(ids), dtype=np.uint8)).astype(np.int64)
+            mask = (
+                np.frombuffer(x.loss_mask, dtype=np.uint8)
+                if x.loss_mask is not None
+                else np.ones(len(ids), dtype=np.uint8)
+            ).astype(np.int64)
             chunks[-1].append((x, ShardSample(x.sample_id, ids, mask, dump.layers)))
             size += dump.nbytes
         if lost:
-            self._db(lambda s: [repo.requeue_staged(s, job_id, [pk], f"staged dump unreadable: {why}")
-                                for pk, why in lost])
+            self._db(
+                lambda s: [repo.requeue_staged(s, job_id, [pk], f"staged dump unreadable: {why}") for pk, why in lost]
+            )
         left = 0
         if chunks[-1] and not complete and size < self.settings.shard_max_bytes:
             chunks.pop()
@@ -497,18 +536,30 @@ class Writer:
                 self._write_shard(job, rest)
             return
         placed = [(x.pk, off, p.num_tokens) for (x, p), off in zip(pieces, shard.offsets)]
-        self._db(lambda s: repo.commit_shard(s, job_id, name=shard.name, nbytes=shard.bytes, sha256=shard.sha256,
-                                             placed=placed))
+        self._db(
+            lambda s: repo.commit_shard(
+                s, job_id, name=shard.name, nbytes=shard.bytes, sha256=shard.sha256, placed=placed
+            )
+        )
         for x, _ in pieces:
             shutil.rmtree(x.staged_path, ignore_errors=True)
-        log.info("job %s: wrote %s (%d samples, %d tokens, %d bytes)", job_id, shard.name, shard.num_samples,
-                 shard.num_tokens, shard.bytes)
+        log.info(
+            "job %s: wrote %s (%d samples, %d tokens, %d bytes)",
+            job_id,
+            shard.name,
+            shard.num_samples,
+            shard.num_tokens,
+            shard.bytes,
+        )
 
     def _reject(self, job_id: str, rejected: list[tuple]) -> None:
         for x, why in rejected:
             reason = f"non_finite: {why}"
-            outcome = self._db(lambda s, pk=x.pk, why=reason: repo.reject_staged(
-                s, job_id, pk, reason=why, max_attempts=self.settings.max_attempts))
+            outcome = self._db(
+                lambda s, pk=x.pk, why=reason: repo.reject_staged(
+                    s, job_id, pk, reason=why, max_attempts=self.settings.max_attempts
+                )
+            )
             shutil.rmtree(x.staged_path, ignore_errors=True)
             self.metrics.attempt("rejected", reason)
             log.info("sample %s/%s: %s (%s)", job_id, x.sample_id, reason, outcome)

@@ -12,10 +12,9 @@ from typing import IO, Any, Callable, Iterator
 from urllib.parse import quote
 
 import httpx
-
-from app.sdk.errors import ChecksumMismatch, HsxError, Unavailable
-from app.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
-from app.storage.atomic import atomic_writer, fsync_path
+from hsx.sdk.errors import ChecksumMismatch, HsxError, Unavailable
+from hsx.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.storage.atomic import atomic_writer, fsync_path
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 USER_AGENT = "hsx-sdk/0.1"
@@ -91,14 +90,25 @@ def layers_param(layers: list[int] | str | None) -> str | None:
 class Calls:
     @staticmethod
     def create_job(samples, input_path, name, layers, idempotency_key) -> Call:
-        body = drop_none({"samples": samples, "input_path": None if input_path is None else str(input_path),
-                          "name": name, "layers": layers})
+        body = drop_none(
+            {
+                "samples": samples,
+                "input_path": None if input_path is None else str(input_path),
+                "name": name,
+                "layers": layers,
+            }
+        )
         return Call("POST", "/v1/jobs", Job, json=body, headers=idem(idempotency_key))
 
     @staticmethod
     def submit_jsonl(name, layers, idempotency_key) -> Call:
-        return Call("POST", "/v1/jobs", Job, params=drop_none({"name": name, "layers": layers_param(layers)}),
-                    headers={"Content-Type": "application/x-ndjson", **(idem(idempotency_key) or {})})
+        return Call(
+            "POST",
+            "/v1/jobs",
+            Job,
+            params=drop_none({"name": name, "layers": layers_param(layers)}),
+            headers={"Content-Type": "application/x-ndjson", **(idem(idempotency_key) or {})},
+        )
 
     @staticmethod
     def list_jobs(state, after, limit) -> Call:
@@ -110,8 +120,12 @@ class Calls:
 
     @staticmethod
     def list_samples(job, state, after, limit) -> Call:
-        return Call("GET", jobs_path(job, "samples"), SamplePage,
-                    params=drop_none({"state": state, "after": after, "limit": limit}))
+        return Call(
+            "GET",
+            jobs_path(job, "samples"),
+            SamplePage,
+            params=drop_none({"state": state, "after": after, "limit": limit}),
+        )
 
     @staticmethod
     def get_sample(job, sample_id) -> Call:
@@ -159,8 +173,14 @@ class Poll:
     """wait()'s bookkeeping, the same for the sync and async clients: progress callback, backoff from
     `poll_s` to `max_poll_s`, and the deadline."""
 
-    def __init__(self, job: JobRef, timeout: float | None, poll_s: float, max_poll_s: float,
-                 on_progress: Callable[[Job], None] | None):
+    def __init__(
+        self,
+        job: JobRef,
+        timeout: float | None,
+        poll_s: float,
+        max_poll_s: float,
+        on_progress: Callable[[Job], None] | None,
+    ):
         self.job, self.timeout, self.on_progress = job, timeout, on_progress
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.delays = delays(poll_s, max_poll_s)
@@ -282,8 +302,12 @@ class ShardDownload:
 
     def already_done(self) -> bool:
         """True when the destination already holds the shard (checked by sha256)."""
-        return self.sha256 is not None and self.dest.is_file() and \
-            (self.size is None or self.dest.stat().st_size == self.size) and sha256_of(self.dest) == self.sha256
+        return (
+            self.sha256 is not None
+            and self.dest.is_file()
+            and (self.size is None or self.dest.stat().st_size == self.size)
+            and sha256_of(self.dest) == self.sha256
+        )
 
     def part_complete(self) -> bool:
         return self.size is not None and self.offset == self.size
@@ -307,9 +331,14 @@ class ShardDownload:
             rng = resp.headers.get("content-range", "")
             start, _, total = rng.removeprefix("bytes ").partition("-")
             if not start.isdigit() or int(start) != self.offset:
-                raise HsxError(0, {"type": "/problems/unexpected-range", "title": "Unexpected range",
-                                   "detail": f"{self.name}: Content-Range {rng!r} for a request from byte "
-                                             f"{self.offset}"})
+                raise HsxError(
+                    0,
+                    {
+                        "type": "/problems/unexpected-range",
+                        "title": "Unexpected range",
+                        "detail": f"{self.name}: Content-Range {rng!r} for a request from byte {self.offset}",
+                    },
+                )
             total = total.partition("/")[2]
             self._total = int(total) if total.isdigit() else self._total
             mode = "ab"
@@ -360,5 +389,11 @@ def write_atomic(path: Path, data: bytes) -> Path:
 def check_shard_name(name: str) -> None:
     """Shard names come from the server; refuse any that is not a plain file name."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise HsxError(0, {"type": "/problems/unsafe-name", "title": "Unsafe shard name",
-                           "detail": f"refusing to write a shard named {name!r}"})
+        raise HsxError(
+            0,
+            {
+                "type": "/problems/unsafe-name",
+                "title": "Unsafe shard name",
+                "detail": f"refusing to write a shard named {name!r}",
+            },
+        )

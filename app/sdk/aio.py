@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import IO, AsyncIterator, Callable
 
 import httpx
-
-from app.sdk._core import (
+from hsx.sdk._core import (
     CHUNK,
     TRANSIENT,
     Call,
@@ -27,8 +26,8 @@ from app.sdk._core import (
     tensors_from_bytes,
     write_atomic,
 )
-from app.sdk.errors import error_from_response
-from app.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.sdk.errors import error_from_response
+from hsx.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
 
 __all__ = ["AsyncHsxClient"]
 
@@ -42,8 +41,9 @@ class AsyncHsxClient:
     """The asynchronous twin of HsxClient: same constructor, same methods, each a coroutine (iter_jobs,
     iter_samples and events are async iterators). Use `async with AsyncHsxClient() as hsx: ...`."""
 
-    def __init__(self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0,
-                 **httpx_options):
+    def __init__(
+        self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0, **httpx_options
+    ):
         options = client_options(base_url, token, timeout, httpx_options)
         self.base_url: str = options["base_url"]
         self._http = httpx.AsyncClient(**options)
@@ -67,14 +67,26 @@ class AsyncHsxClient:
 
     # --- jobs -------------------------------------------------------------------------------
 
-    async def create_job(self, samples: list[dict] | None = None, *, input_path: str | None = None,
-                         name: str | None = None, layers: list[int] | None = None,
-                         idempotency_key: str | None = None) -> Job:
+    async def create_job(
+        self,
+        samples: list[dict] | None = None,
+        *,
+        input_path: str | None = None,
+        name: str | None = None,
+        layers: list[int] | None = None,
+        idempotency_key: str | None = None,
+    ) -> Job:
         return await self._send(Calls.create_job(samples, input_path, name, layers, idempotency_key))
 
-    async def submit_jsonl(self, source: str | os.PathLike | IO[bytes], *, name: str | None = None,
-                           layers: list[int] | None = None, idempotency_key: str | None = None,
-                           chunk_size: int = 1 << 16) -> Job:
+    async def submit_jsonl(
+        self,
+        source: str | os.PathLike | IO[bytes],
+        *,
+        name: str | None = None,
+        layers: list[int] | None = None,
+        idempotency_key: str | None = None,
+        chunk_size: int = 1 << 16,
+    ) -> Job:
         call = Calls.submit_jsonl(name, layers, idempotency_key)
         if hasattr(source, "read"):
             return await self._send(call, content=_achunks(source, chunk_size))
@@ -106,8 +118,15 @@ class AsyncHsxClient:
     async def delete(self, job: JobRef, *, files: bool = False) -> None:
         await self._send(Calls.delete(job, files))
 
-    async def wait(self, job: JobRef, *, timeout: float | None = None, poll_s: float = 0.5,
-                   max_poll_s: float = 5.0, on_progress: Callable[[Job], None] | None = None) -> Job:
+    async def wait(
+        self,
+        job: JobRef,
+        *,
+        timeout: float | None = None,
+        poll_s: float = 0.5,
+        max_poll_s: float = 5.0,
+        on_progress: Callable[[Job], None] | None = None,
+    ) -> Job:
         poll = Poll(job, timeout, poll_s, max_poll_s, on_progress)
         while True:
             try:
@@ -120,8 +139,7 @@ class AsyncHsxClient:
             await asyncio.sleep(poll.pause())
 
     async def events(self, job: JobRef) -> AsyncIterator[Job]:
-        async with self._http.stream("GET", jobs_path(job, "events"),
-                                     headers={"Accept": "text/event-stream"}) as resp:
+        async with self._http.stream("GET", jobs_path(job, "events"), headers={"Accept": "text/event-stream"}) as resp:
             if resp.is_error:
                 await resp.aread()
                 raise error_from_response(resp)
@@ -133,12 +151,14 @@ class AsyncHsxClient:
 
     # --- samples ----------------------------------------------------------------------------
 
-    async def list_samples(self, job: JobRef, *, state: str | None = None, after: str | None = None,
-                           limit: int = 100) -> SamplePage:
+    async def list_samples(
+        self, job: JobRef, *, state: str | None = None, after: str | None = None, limit: int = 100
+    ) -> SamplePage:
         return await self._send(Calls.list_samples(job, state, after, limit))
 
-    async def iter_samples(self, job: JobRef, *, state: str | None = None,
-                           page_size: int = 1000) -> AsyncIterator[Sample]:
+    async def iter_samples(
+        self, job: JobRef, *, state: str | None = None, page_size: int = 1000
+    ) -> AsyncIterator[Sample]:
         after = None
         while True:
             page = await self.list_samples(job, state=state, after=after, limit=page_size)
@@ -163,9 +183,16 @@ class AsyncHsxClient:
     async def manifest(self, job: JobRef) -> Manifest:
         return await self._send(Calls.manifest(job))
 
-    async def download_shard(self, job: JobRef, name: str, dest: str | os.PathLike | None = None, *,
-                             sha256: str | None = None, size: int | None = None,
-                             on_progress: ShardProgress | None = None) -> Path:
+    async def download_shard(
+        self,
+        job: JobRef,
+        name: str,
+        dest: str | os.PathLike | None = None,
+        *,
+        sha256: str | None = None,
+        size: int | None = None,
+        on_progress: ShardProgress | None = None,
+    ) -> Path:
         check_shard_name(name)
         if sha256 is None:
             try:
@@ -182,8 +209,7 @@ class AsyncHsxClient:
         return await self._fetch(job, dl)
 
     async def _fetch(self, job: JobRef, dl: ShardDownload) -> Path:
-        async with self._http.stream("GET", jobs_path(job, "shards", dl.name),
-                                     headers=dl.request_headers()) as resp:
+        async with self._http.stream("GET", jobs_path(job, "shards", dl.name), headers=dl.request_headers()) as resp:
             if resp.status_code == 416 and dl.offset:
                 await resp.aread()
             elif resp.is_error:
@@ -200,8 +226,9 @@ class AsyncHsxClient:
         dl.restart()
         return await self._fetch(job, dl)
 
-    async def download_job(self, job: JobRef, directory: str | os.PathLike, *,
-                           on_progress: ShardProgress | None = None) -> Manifest:
+    async def download_job(
+        self, job: JobRef, directory: str | os.PathLike, *, on_progress: ShardProgress | None = None
+    ) -> Manifest:
         call = Calls.manifest(job)
         resp = await self._http.request(call.method, call.path)
         if resp.is_error:
@@ -211,8 +238,9 @@ class AsyncHsxClient:
         directory.mkdir(parents=True, exist_ok=True)
         for shard in manifest.shards:
             check_shard_name(shard.name)
-            await self.download_shard(job, shard.name, directory / shard.name, sha256=shard.sha256,
-                                      size=shard.bytes, on_progress=on_progress)
+            await self.download_shard(
+                job, shard.name, directory / shard.name, sha256=shard.sha256, size=shard.bytes, on_progress=on_progress
+            )
         if manifest.state in TERMINAL_STATES:
             write_atomic(directory / "manifest.json", resp.content)
         return manifest

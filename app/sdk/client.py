@@ -1,4 +1,4 @@
-"""The synchronous client (httpx). AsyncHsxClient in app.sdk.aio has the same methods, awaitable."""
+"""The synchronous client (httpx). AsyncHsxClient in hsx.sdk.aio has the same methods, awaitable."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 import httpx
-
-from app.sdk._core import (
+from hsx.sdk._core import (
     CHUNK,
     TRANSIENT,
     Call,
@@ -28,8 +27,8 @@ from app.sdk._core import (
     tensors_from_bytes,
     write_atomic,
 )
-from app.sdk.errors import HsxError, error_from_response
-from app.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.sdk.errors import HsxError, error_from_response
+from hsx.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
 
 __all__ = ["HsxClient", "HsxError"]
 
@@ -43,8 +42,9 @@ class HsxClient:
     (Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, InvalidInput, Unavailable, ServerError).
     """
 
-    def __init__(self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0,
-                 **httpx_options):
+    def __init__(
+        self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0, **httpx_options
+    ):
         options = client_options(base_url, token, timeout, httpx_options)
         self.base_url: str = options["base_url"]
         self._http = httpx.Client(**options)
@@ -66,17 +66,29 @@ class HsxClient:
 
     # --- jobs -------------------------------------------------------------------------------
 
-    def create_job(self, samples: list[dict] | None = None, *, input_path: str | None = None,
-                   name: str | None = None, layers: list[int] | None = None,
-                   idempotency_key: str | None = None) -> Job:
+    def create_job(
+        self,
+        samples: list[dict] | None = None,
+        *,
+        input_path: str | None = None,
+        name: str | None = None,
+        layers: list[int] | None = None,
+        idempotency_key: str | None = None,
+    ) -> Job:
         """Create a job from inline samples ({"id"?, "input_ids", "loss_mask"?}) or from a JSONL file under the
         service's input root (`input_path`). Repeating a request with the same `idempotency_key` returns the
         first job."""
         return self._send(Calls.create_job(samples, input_path, name, layers, idempotency_key))
 
-    def submit_jsonl(self, source: str | os.PathLike | IO[bytes], *, name: str | None = None,
-                     layers: list[int] | None = None, idempotency_key: str | None = None,
-                     chunk_size: int = 1 << 16) -> Job:
+    def submit_jsonl(
+        self,
+        source: str | os.PathLike | IO[bytes],
+        *,
+        name: str | None = None,
+        layers: list[int] | None = None,
+        idempotency_key: str | None = None,
+        chunk_size: int = 1 << 16,
+    ) -> Job:
         """Create a job from a local JSONL file (a path or a binary file object), streamed as
         application/x-ndjson in chunks: the file is never read whole."""
         call = Calls.submit_jsonl(name, layers, idempotency_key)
@@ -112,8 +124,15 @@ class HsxClient:
         """Delete a finished job's records; with files=True also its shards and manifest."""
         self._send(Calls.delete(job, files))
 
-    def wait(self, job: JobRef, *, timeout: float | None = None, poll_s: float = 0.5, max_poll_s: float = 5.0,
-             on_progress: Callable[[Job], None] | None = None) -> Job:
+    def wait(
+        self,
+        job: JobRef,
+        *,
+        timeout: float | None = None,
+        poll_s: float = 0.5,
+        max_poll_s: float = 5.0,
+        on_progress: Callable[[Job], None] | None = None,
+    ) -> Job:
         """Poll until the job is succeeded, failed or cancelled, backing off from `poll_s` to `max_poll_s`;
         call `on_progress(job)` after each poll. Polls through the service or its database restarting (503,
         connection errors). Returns the final job; TimeoutError after `timeout` s."""
@@ -142,8 +161,9 @@ class HsxClient:
 
     # --- samples ----------------------------------------------------------------------------
 
-    def list_samples(self, job: JobRef, *, state: str | None = None, after: str | None = None,
-                     limit: int = 100) -> SamplePage:
+    def list_samples(
+        self, job: JobRef, *, state: str | None = None, after: str | None = None, limit: int = 100
+    ) -> SamplePage:
         return self._send(Calls.list_samples(job, state, after, limit))
 
     def iter_samples(self, job: JobRef, *, state: str | None = None, page_size: int = 1000) -> Iterator[Sample]:
@@ -173,9 +193,16 @@ class HsxClient:
     def manifest(self, job: JobRef) -> Manifest:
         return self._send(Calls.manifest(job))
 
-    def download_shard(self, job: JobRef, name: str, dest: str | os.PathLike | None = None, *,
-                       sha256: str | None = None, size: int | None = None,
-                       on_progress: ShardProgress | None = None) -> Path:
+    def download_shard(
+        self,
+        job: JobRef,
+        name: str,
+        dest: str | os.PathLike | None = None,
+        *,
+        sha256: str | None = None,
+        size: int | None = None,
+        on_progress: ShardProgress | None = None,
+    ) -> Path:
         """Download one shard to `dest` (a file, or a folder to put it in; default ./<name>) and return its path.
 
         Bytes go to `<dest>.part` first; an existing part is resumed with a Range request. The whole file's
@@ -215,8 +242,9 @@ class HsxClient:
         dl.restart()  # the part was not a prefix of this shard (416): fetch it whole
         return self._fetch(job, dl)
 
-    def download_job(self, job: JobRef, directory: str | os.PathLike, *,
-                     on_progress: ShardProgress | None = None) -> Manifest:
+    def download_job(
+        self, job: JobRef, directory: str | os.PathLike, *, on_progress: ShardProgress | None = None
+    ) -> Manifest:
         """Download every shard the manifest lists (each resumable and sha256-checked) into `directory`; once the
         job is finished, write manifest.json there too (last, atomically), so its presence means the folder is
         complete. Shards already there are not fetched again. Returns the manifest."""
@@ -229,8 +257,9 @@ class HsxClient:
         directory.mkdir(parents=True, exist_ok=True)
         for shard in manifest.shards:
             check_shard_name(shard.name)
-            self.download_shard(job, shard.name, directory / shard.name, sha256=shard.sha256, size=shard.bytes,
-                                on_progress=on_progress)
+            self.download_shard(
+                job, shard.name, directory / shard.name, sha256=shard.sha256, size=shard.bytes, on_progress=on_progress
+            )
         if manifest.state in TERMINAL_STATES:
             write_atomic(directory / "manifest.json", resp.content)
         return manifest

@@ -68,12 +68,23 @@ class ChecksumMismatch(HsxError):
 
     def __init__(self, name: str, expected: str, got: str):
         self.name, self.expected, self.got = name, expected, got
-        super().__init__(0, {"type": "/problems/checksum-mismatch", "title": "Checksum mismatch",
-                             "detail": f"{name}: sha256 {got} differs from the manifest's {expected}"})
+        super().__init__(
+            0,
+            {
+                "type": "/problems/checksum-mismatch",
+                "title": "Checksum mismatch",
+                "detail": f"{name}: sha256 {got} differs from the manifest's {expected}",
+            },
+        )
 
 
 BY_STATUS: dict[int, type[HsxError]] = {
-    401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 413: PayloadTooLarge, 422: InvalidInput,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    422: InvalidInput,
     503: Unavailable,
 }
 

@@ -1,16 +1,15 @@
-"""Typed results. Jobs, samples and pages are the API's own schema classes (app.api.schemas); the manifest,
+"""Typed results. Jobs, samples and pages are the API's own schema classes (hsx.api.schemas); the manifest,
 which the API returns as a plain document, is described here."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from hsx.api.schemas import AttemptOut as Attempt
+from hsx.api.schemas import Counts, Health, JobPage, JobState, SamplePage, SampleState, Tokens
+from hsx.api.schemas import JobOut as Job
+from hsx.api.schemas import SampleOut as Sample
 from pydantic import BaseModel, ConfigDict
-
-from app.api.schemas import AttemptOut as Attempt
-from app.api.schemas import Counts, Health, JobPage, JobState, SamplePage, SampleState, Tokens
-from app.api.schemas import JobOut as Job
-from app.api.schemas import SampleOut as Sample
 
 TERMINAL_STATES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
 
@@ -66,5 +65,19 @@ class Manifest(BaseModel):
         raise KeyError(sample_id)
 
 
-__all__ = ["Attempt", "Counts", "Health", "Job", "JobPage", "JobState", "Manifest", "ManifestSample",
-           "ManifestShard", "Sample", "SamplePage", "SampleState", "TERMINAL_STATES", "Tokens"]
+__all__ = [
+    "Attempt",
+    "Counts",
+    "Health",
+    "Job",
+    "JobPage",
+    "JobState",
+    "Manifest",
+    "ManifestSample",
+    "ManifestShard",
+    "Sample",
+    "SamplePage",
+    "SampleState",
+    "TERMINAL_STATES",
+    "Tokens",
+]

@@ -43,8 +43,8 @@ class FiniteCheck:
         if self._scratch.size < min(values.size, SCRATCH_VALUES):
             self._scratch = np.empty(min(values.size, SCRATCH_VALUES), dtype=self.bits.uint)
         for start in range(0, values.size, SCRATCH_VALUES):
-            chunk = values[start:start + SCRATCH_VALUES]
-            part = self._scratch[:chunk.size]
+            chunk = values[start : start + SCRATCH_VALUES]
+            part = self._scratch[: chunk.size]
             np.bitwise_and(chunk, self.bits.magnitude, out=part)
             if part.max() >= self.bits.exponent:
                 return False

@@ -20,7 +20,7 @@ def read_rows(shard: Path, offset: int, num_tokens: int, layers: list[int]) -> d
     out: dict[str, torch.Tensor] = {}
     with safe_open(str(shard), framework="pt") as f:
         for key in ["input_ids", "loss_mask"] + [f"layer_{i}" for i in layers]:
-            out[key] = f.get_slice(key)[offset:offset + num_tokens]
+            out[key] = f.get_slice(key)[offset : offset + num_tokens]
     return out
 
 

@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-
-from app.storage.atomic import atomic_writer
-from app.storage.finite import FiniteCheck
-from app.storage.safetensors_raw import CODE_BY_NAME, ITEMSIZE, TensorSpan, encode_header
-from app.storage.sink import BufferedSink, DirectSink, open_sink
+from hsx.storage.atomic import atomic_writer
+from hsx.storage.finite import FiniteCheck
+from hsx.storage.safetensors_raw import CODE_BY_NAME, ITEMSIZE, TensorSpan, encode_header
+from hsx.storage.sink import BufferedSink, DirectSink, open_sink
 
 SHARD_FORMAT = "hsx-shard/1"
 COPY_CHUNK = 8 * 1024 * 1024
@@ -94,7 +93,7 @@ def _chunks(src: TensorSpan | bytes, maps: dict[Path, mmap.mmap]):
     if not isinstance(src, TensorSpan):
         with memoryview(src) as view:
             for start in range(0, len(view), COPY_CHUNK):
-                with view[start:start + COPY_CHUNK] as chunk:
+                with view[start : start + COPY_CHUNK] as chunk:
                     yield chunk
         return
     mm = maps.get(src.path)
@@ -105,7 +104,7 @@ def _chunks(src: TensorSpan | bytes, maps: dict[Path, mmap.mmap]):
         raise OSError(f"{src.path}: ended before its tensor did")
     with memoryview(mm) as view:
         for start in range(src.start, src.end, COPY_CHUNK):
-            with view[start:min(start + COPY_CHUNK, src.end)] as chunk:
+            with view[start : min(start + COPY_CHUNK, src.end)] as chunk:
                 yield chunk
 
 
@@ -140,8 +139,11 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
     }
     maps: dict[Path, mmap.mmap] = {}
     try:
-        with atomic_writer(path) as f, ThreadPoolExecutor(1, thread_name_prefix="hsx-sha256") as hasher, \
-                closing(open_sink(f)) as sink:
+        with (
+            atomic_writer(path) as f,
+            ThreadPoolExecutor(1, thread_name_prefix="hsx-sha256") as hasher,
+            closing(open_sink(f)) as sink,
+        ):
             out = _HashingWriter(sink, hasher)
             out.write(encode_header(entries, metadata))
             out.write(np.concatenate([s.input_ids for s in samples]).astype("<i8").tobytes())

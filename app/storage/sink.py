@@ -21,7 +21,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO
 
-from app.storage.writeback import start_writeback
+from hsx.storage.writeback import start_writeback
 
 BLOCK = 4096  # alignment that satisfies any device's logical block size
 REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)  # how a file system says no to direct I/O
@@ -31,7 +31,7 @@ WRITEBACK_EVERY = 32 * 1024 * 1024
 
 class BufferedSink:
     """Writes through the page cache; every WRITEBACK_EVERY bytes, writeback of what was written
-    since starts in the background (see app.storage.writeback), so the closing fsync waits for
+    since starts in the background (see hsx.storage.writeback), so the closing fsync waits for
     little."""
 
     def __init__(self, f: BinaryIO):
@@ -87,15 +87,16 @@ class DirectSink:
             while taken < len(src):
                 buffer = self.buffers[self.current]
                 n = min(len(src) - taken, BUFFER_BYTES - self.used)
-                buffer[self.used:self.used + n] = src[taken:taken + n]
+                buffer[self.used : self.used + n] = src[taken : taken + n]
                 self.used += n
                 taken += n
                 if self.used == BUFFER_BYTES:
                     self._submit(BUFFER_BYTES)
 
     def _submit(self, length: int) -> None:
-        self.writes[self.current] = self.io.submit(_pwrite_all, self.fd, self.buffers[self.current], length,
-                                                   self.offset)
+        self.writes[self.current] = self.io.submit(
+            _pwrite_all, self.fd, self.buffers[self.current], length, self.offset
+        )
         self.offset += length
         self.current, self.used = 1 - self.current, 0
         self._wait(self.current)  # the next buffer to fill must be on disk already
@@ -110,7 +111,7 @@ class DirectSink:
         size = self.offset + self.used
         if self.used:
             padded = -(-self.used // BLOCK) * BLOCK
-            self.buffers[self.current][self.used:padded] = bytes(padded - self.used)
+            self.buffers[self.current][self.used : padded] = bytes(padded - self.used)
             self._submit(padded)
         self._wait(0)
         self._wait(1)

@@ -17,10 +17,9 @@ from __future__ import annotations
 import os
 
 import torch
+from hsx.training.layers import select_layers
+from hsx.training.reader import TORCH_DTYPES, Job, ShardReader, layer_key, load_job
 from torch.utils.data import Dataset
-
-from app.training.layers import select_layers
-from app.training.reader import TORCH_DTYPES, Job, ShardReader, layer_key, load_job
 
 
 def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -40,8 +39,15 @@ class HiddenStateDataset(Dataset):
     (default: as stored). A ValueError names the layers when the chosen ones were not captured.
     """
 
-    def __init__(self, manifest_or_job_dir: str | os.PathLike, *, aux_layers: list[int] | None = None,
-                 last_layer: int | None = None, dtype: torch.dtype | str | None = None, max_open_shards: int = 8):
+    def __init__(
+        self,
+        manifest_or_job_dir: str | os.PathLike,
+        *,
+        aux_layers: list[int] | None = None,
+        last_layer: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        max_open_shards: int = 8,
+    ):
         self.job: Job = load_job(manifest_or_job_dir)
         self.aux_layers, self.last_layer = select_layers(self.job.layers, aux_layers, last_layer)
         self.dtype = _torch_dtype(dtype)

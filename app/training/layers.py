@@ -18,8 +18,9 @@ def eagle3_capture_layers(num_layers: int) -> list[int]:
     return eagle3_aux_layers(num_layers) + [num_layers]
 
 
-def select_layers(available: list[int], aux_layers: list[int] | None = None,
-                  last_layer: int | None = None) -> tuple[list[int], int]:
+def select_layers(
+    available: list[int], aux_layers: list[int] | None = None, last_layer: int | None = None
+) -> tuple[list[int], int]:
     """(aux layers in concatenation order, last layer) among a job's captured layers.
 
     Defaults: the last layer is the highest captured one, the aux layers all the others in
@@ -34,8 +35,10 @@ def select_layers(available: list[int], aux_layers: list[int] | None = None,
     if aux_layers is None:
         aux = [i for i in have if i != last]
         if len(aux) != 3:
-            raise ValueError(f"the job captured layers {have}: with last layer {last} that leaves {len(aux)} "
-                             f"auxiliary layers {aux}, EAGLE-3 needs 3; choose them with aux_layers")
+            raise ValueError(
+                f"the job captured layers {have}: with last layer {last} that leaves {len(aux)} "
+                f"auxiliary layers {aux}, EAGLE-3 needs 3; choose them with aux_layers"
+            )
         return aux, last
     aux = [int(i) for i in aux_layers]
     if not aux:

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from hsx.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from safetensors import safe_open
-
-from app.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 
 TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,

@@ -5,17 +5,18 @@ Revision ID: 0002
 Revises: 0001
 Create Date: 2026-11-30
 """
+
 from alembic import op
 
-revision = '0002'
-down_revision = '0001'
+revision = "0002"
+down_revision = "0001"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    op.drop_index('ix_samples_claim', table_name='samples')
+    op.drop_index("ix_samples_claim", table_name="samples")
 
 
 def downgrade() -> None:
-    op.create_index('ix_samples_claim', 'samples', ['state', 'job_id', 'idx'], unique=False)
+    op.create_index("ix_samples_claim", "samples", ["state", "job_id", "idx"], unique=False)

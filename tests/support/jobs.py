@@ -1,7 +1,7 @@
 """Real job folders built in a test: shards written by hsx's own shard writer plus a manifest.
 
-`make_job` writes samples (random, or given tensors) into shards with `app.storage.shards.write_shard`
-and a manifest shaped like `app.manifests.manifest_document`, so the Dataset, the exports and verify
+`make_job` writes samples (random, or given tensors) into shards with `hsx.storage.shards.write_shard`
+and a manifest shaped like `hsx.manifests.manifest_document`, so the Dataset, the exports and verify
 read exactly what the service writes. `llama_hidden_states` runs a tiny random Llama to get real
 hidden states in hsx's layer numbering.
 """
@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from app.storage.atomic import write_json_atomic
-from app.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
-from app.storage.safetensors_raw import read_index
-from app.storage.shards import ShardSample, shard_name, write_shard
+from hsx.storage.atomic import write_json_atomic
+from hsx.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from hsx.storage.safetensors_raw import read_index
+from hsx.storage.shards import ShardSample, shard_name, write_shard
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -68,27 +67,50 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def random_samples(n: int, layers: list[int], hidden: int, dtype: str, *, seed: int = 0,
-                   lengths: list[int] | None = None, vocab: int = 1000, ids: list[str] | None = None) -> list[Sample]:
+def random_samples(
+    n: int,
+    layers: list[int],
+    hidden: int,
+    dtype: str,
+    *,
+    seed: int = 0,
+    lengths: list[int] | None = None,
+    vocab: int = 1000,
+    ids: list[str] | None = None,
+) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     lengths = lengths or [int(x) for x in torch.randint(3, 12, (n,), generator=g)]
     ids = ids or [f"s-{k}" for k in range(n)]
     out = []
     for k, (sid, t) in enumerate(zip(ids, lengths)):
-        out.append(Sample(
-            sid,
-            torch.randint(0, vocab, (t,), generator=g, dtype=torch.int64),
-            torch.tensor([(k + j) % 3 != 0 for j in range(t)], dtype=torch.int64),
-            # distinct offsets per layer make a layer mix-up visible in any comparison
-            {i: (torch.randn(t, hidden, generator=g) + 10 * i).to(DTYPES[dtype]) for i in layers},
-        ))
+        out.append(
+            Sample(
+                sid,
+                torch.randint(0, vocab, (t,), generator=g, dtype=torch.int64),
+                torch.tensor([(k + j) % 3 != 0 for j in range(t)], dtype=torch.int64),
+                # distinct offsets per layer make a layer mix-up visible in any comparison
+                {i: (torch.randn(t, hidden, generator=g) + 10 * i).to(DTYPES[dtype]) for i in layers},
+            )
+        )
     return out
 
 
-def make_job(root: Path, *, layers: list[int] = (2, 4, 5, 8), hidden: int = 16, dtype: str = "bfloat16",
-             num_samples: int = 5, samples_per_shard: int = 2, num_hidden_layers: int | None = 8,
-             samples: list[Sample] | None = None, job_id: str = "job_test", vocab: int = 1000, seed: int = 0,
-             lengths: list[int] | None = None, ids: list[str] | None = None) -> JobFixture:
+def make_job(
+    root: Path,
+    *,
+    layers: list[int] = (2, 4, 5, 8),
+    hidden: int = 16,
+    dtype: str = "bfloat16",
+    num_samples: int = 5,
+    samples_per_shard: int = 2,
+    num_hidden_layers: int | None = 8,
+    samples: list[Sample] | None = None,
+    job_id: str = "job_test",
+    vocab: int = 1000,
+    seed: int = 0,
+    lengths: list[int] | None = None,
+    ids: list[str] | None = None,
+) -> JobFixture:
     layers = list(layers)
     job_dir = Path(root) / job_id
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -96,16 +118,35 @@ def make_job(root: Path, *, layers: list[int] = (2, 4, 5, 8), hidden: int = 16, 
         samples = random_samples(num_samples, layers, hidden, dtype, seed=seed, lengths=lengths, vocab=vocab, ids=ids)
     shards, entries = [], []
     for number, start in enumerate(range(0, len(samples), samples_per_shard)):
-        group = samples[start:start + samples_per_shard]
+        group = samples[start : start + samples_per_shard]
         info = write_shard(
             job_dir / shard_name(number),
-            [ShardSample(s.id, s.input_ids.numpy().astype(np.int64), s.loss_mask.numpy().astype(np.int64),
-                         {i: raw_bytes(s.layers[i]) for i in layers}) for s in group],
-            layers, dtype, hidden)
-        shards.append({"name": info.name, "bytes": info.bytes, "sha256": info.sha256,
-                       "num_samples": info.num_samples, "num_tokens": info.num_tokens})
-        entries += [{"id": s.id, "shard": info.name, "offset": off, "num_tokens": int(s.input_ids.shape[0])}
-                    for s, off in zip(group, info.offsets)]
+            [
+                ShardSample(
+                    s.id,
+                    s.input_ids.numpy().astype(np.int64),
+                    s.loss_mask.numpy().astype(np.int64),
+                    {i: raw_bytes(s.layers[i]) for i in layers},
+                )
+                for s in group
+            ],
+            layers,
+            dtype,
+            hidden,
+        )
+        shards.append(
+            {
+                "name": info.name,
+                "bytes": info.bytes,
+                "sha256": info.sha256,
+                "num_samples": info.num_samples,
+                "num_tokens": info.num_tokens,
+            }
+        )
+        entries += [
+            {"id": s.id, "shard": info.name, "offset": off, "num_tokens": int(s.input_ids.shape[0])}
+            for s, off in zip(group, info.offsets)
+        ]
     manifest = {
         "format": MANIFEST_FORMAT,
         "job_id": job_id,
@@ -115,8 +156,12 @@ def make_job(root: Path, *, layers: list[int] = (2, 4, 5, 8), hidden: int = 16, 
         "layers": layers,
         "hidden_size": hidden,
         "dtype": dtype,
-        "shard_layout": {"input_ids": "int64 [T]", "loss_mask": "int64 [T]",
-                         "layer_<i>": "dtype [T, hidden_size]", "sample_rows": "offset .. offset + num_tokens"},
+        "shard_layout": {
+            "input_ids": "int64 [T]",
+            "loss_mask": "int64 [T]",
+            "layer_<i>": "dtype [T, hidden_size]",
+            "sample_rows": "offset .. offset + num_tokens",
+        },
         "num_samples": len(samples),
         "num_stored": len(samples),
         "shards": shards,
@@ -136,11 +181,17 @@ LLAMA_VOCAB = 128
 def tiny_llama(seed: int = 3):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=LLAMA_HIDDEN, intermediate_size=64,
-                         num_hidden_layers=LLAMA_LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256,
-                         # residual-stream magnitudes like a trained model's (mean square >> the norm's eps)
-                         initializer_range=0.2)
+    config = LlamaConfig(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=LLAMA_HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=LLAMA_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        # residual-stream magnitudes like a trained model's (mean square >> the norm's eps)
+        initializer_range=0.2,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()
@@ -160,15 +211,30 @@ def llama_hidden_states(model, ids: list[list[int]]) -> list[tuple[torch.Tensor,
     return out
 
 
-def llama_job(root: Path, model, *, layers: list[int] = (2, 4, 5, 8), lengths: tuple[int, ...] = (5, 9, 3),
-              seed: int = 0) -> tuple[JobFixture, list[tuple[torch.Tensor, ...]]]:
+def llama_job(
+    root: Path, model, *, layers: list[int] = (2, 4, 5, 8), lengths: tuple[int, ...] = (5, 9, 3), seed: int = 0
+) -> tuple[JobFixture, list[tuple[torch.Tensor, ...]]]:
     """A float32 job holding the tiny Llama's real hidden states for a few random sequences."""
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, LLAMA_VOCAB, (n,), generator=g).tolist() for n in lengths]
     hidden = llama_hidden_states(model, ids)
-    samples = [Sample(f"conv-{k}", torch.tensor(seq, dtype=torch.int64), torch.ones(len(seq), dtype=torch.int64),
-                      {i: hs[i].to(torch.float32).contiguous() for i in layers})
-               for k, (seq, hs) in enumerate(zip(ids, hidden))]
-    job = make_job(root, layers=list(layers), hidden=LLAMA_HIDDEN, dtype="float32", samples=samples,
-                   num_hidden_layers=LLAMA_LAYERS, vocab=LLAMA_VOCAB, job_id="job_llama")
+    samples = [
+        Sample(
+            f"conv-{k}",
+            torch.tensor(seq, dtype=torch.int64),
+            torch.ones(len(seq), dtype=torch.int64),
+            {i: hs[i].to(torch.float32).contiguous() for i in layers},
+        )
+        for k, (seq, hs) in enumerate(zip(ids, hidden))
+    ]
+    job = make_job(
+        root,
+        layers=list(layers),
+        hidden=LLAMA_HIDDEN,
+        dtype="float32",
+        samples=samples,
+        num_hidden_layers=LLAMA_LAYERS,
+        vocab=LLAMA_VOCAB,
+        job_id="job_llama",
+    )
     return job, hidden

@@ -23,7 +23,7 @@ def free_port() -> int:
 def hsx_command() -> list[str]:
     """The installed `hsx` console script, or the module when it is not on PATH."""
     exe = shutil.which("hsx", path=str(Path(sys.executable).parent)) or shutil.which("hsx")
-    return [exe] if exe else [sys.executable, "-m", "app.cli"]
+    return [exe] if exe else [sys.executable, "-m", "hsx.cli"]
 
 
 class Process:
@@ -35,8 +35,9 @@ class Process:
         self._log = open(log_path, "ab")
         full_env = dict(os.environ)
         full_env.update(env or {})
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

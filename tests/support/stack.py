@@ -19,8 +19,15 @@ HIDDEN = 48
 
 
 def make_checkpoint(path: Path, seed: int = 7, dtype: torch.dtype = torch.bfloat16) -> Path:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=NUM_LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
@@ -50,8 +57,14 @@ class RefServer:
         self.proc.stop()
 
 
-def start_reference(tmp: Path, checkpoint: Path | None, *, dump_root: Path | None = None,
-                    port: int | None = None, extra: list[str] | None = None) -> RefServer:
+def start_reference(
+    tmp: Path,
+    checkpoint: Path | None,
+    *,
+    dump_root: Path | None = None,
+    port: int | None = None,
+    extra: list[str] | None = None,
+) -> RefServer:
     port = port or free_port()
     dump_root = dump_root or tmp / "dumps"
     args = hsx_command() + ["reference-server", "--dump-root", str(dump_root), "--port", str(port)]
@@ -92,15 +105,34 @@ class Service:
         self.proc.stop()
 
 
-def start_service(tmp: Path, database_url: str, *, backend_url: str = "http://127.0.0.1:9",
-                  dump_root: Path | None = None, extra: list[str] | None = None, wait: bool = True) -> Service:
+def start_service(
+    tmp: Path,
+    database_url: str,
+    *,
+    backend_url: str = "http://127.0.0.1:9",
+    dump_root: Path | None = None,
+    extra: list[str] | None = None,
+    wait: bool = True,
+) -> Service:
     port = free_port()
     output_root, input_root = tmp / "output", tmp / "input"
     input_root.mkdir(parents=True, exist_ok=True)
     args = hsx_command() + [
-        "serve", "--backend-url", backend_url, "--dump-root", str(dump_root or tmp / "dumps"),
-        "--output-root", str(output_root), "--input-root", str(input_root), "--database-url", database_url,
-        "--port", str(port), "--dump-wait-s", "10",
+        "serve",
+        "--backend-url",
+        backend_url,
+        "--dump-root",
+        str(dump_root or tmp / "dumps"),
+        "--output-root",
+        str(output_root),
+        "--input-root",
+        str(input_root),
+        "--database-url",
+        database_url,
+        "--port",
+        str(port),
+        "--dump-wait-s",
+        "10",
     ]
     proc = Process(args + (extra or []), tmp / f"service-{port}.log")
     url = f"http://127.0.0.1:{port}"

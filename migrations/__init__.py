@@ -1,0 +1,1 @@
+"""Alembic migration scripts, shipped inside the package as hsx.migrations."""
