@@ -1,4 +1,5 @@
-"""Service settings: every `hsx serve` flag can also come from an HSX_* environment variable."""
+"""Service settings, each from an `hsx serve` flag, an HSX_* environment variable or its default (in that
+order). The descriptions are the flags' help (`hsx serve --help`)."""
 
 from __future__ import annotations
 
@@ -12,39 +13,58 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HSX_", extra="ignore")
 
     backend_url: str = Field("http://127.0.0.1:30000", description="base URL of the SGLang-style model server")
-    dump_root: Path = Field(Path("/dev/shm/sglang_hs"), description="the dump directory the server writes to")
+    dump_root: Path = Field(
+        Path("/dev/shm/sglang_hs"),
+        description="the directory the model server writes dumps to; this service must be its only reader",
+    )
     staging_dir: Path | None = Field(
         None,
-        description="where validated dumps wait for their shard; must be on the dump root's file system "
-        "(default: a sibling of the dump root named <dump_root>.hsx-staging)",
+        description="where validated dumps wait for their shard, on the dump root's file system so that moving a "
+        "dump is a rename; unset: a sibling of the dump root named <dump_root>.hsx-staging",
     )
-    output_root: Path = Field(Path("hsx-data/output"), description="shards, manifest: <output_root>/<job id>/")
-    input_root: Path = Field(Path("hsx-data/input"), description="server-side JSONL inputs are read from here only")
-    database_url: str = Field("sqlite:///hsx-data/hsx.db", description="SQLAlchemy URL (SQLite file or Postgres)")
-    host: str = "127.0.0.1"
-    port: int = 8000
-    shard_max_bytes: int = Field(256 * 1024 * 1024, description="a shard rolls once it would exceed this size")
-    shard_max_wait_s: float = Field(
-        30.0, description="staged samples are written to a shard at least this often, even below the size"
+    output_root: Path = Field(
+        Path("hsx-data/output"), description="shards and manifest.json go under <output_root>/<job id>/"
     )
-    max_attempts: int = Field(3, description="attempts per sample before it fails")
-    dump_wait_s: float = Field(30.0, description="how long to wait for a dump's `done` marker after the reply")
+    input_root: Path = Field(
+        Path("hsx-data/input"), description="jobs may name JSONL input files under this folder only"
+    )
+    database_url: str = Field(
+        "sqlite:///hsx-data/hsx.db", description="SQLAlchemy URL: sqlite:///path.db or postgresql://user@host/db"
+    )
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, description="port to listen on")
+    shard_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        description="a job's shard is written once its staged samples reach this size, and as soon as the job "
+        "has no queued sample left",
+    )
+    shard_max_wait_s: float = Field(30.0, description="staged samples wait at most this long for their shard")
+    max_attempts: int = Field(3, description="attempts per sample before it is failed")
+    dump_wait_s: float = Field(
+        30.0, description="how long to wait for a dump's `done` marker after the model server replied"
+    )
     request_timeout_s: float = Field(600.0, description="HTTP timeout for one /generate request")
     name_by: str = Field("auto", description="dump naming: auto (ask the server), counter or rid")
     max_json_bytes: int = Field(64 * 1024 * 1024, description="largest application/json request body")
     max_ndjson_bytes: int = Field(16 * 1024**3, description="largest streamed application/x-ndjson job body")
+    max_in_flight: int = Field(
+        4, description="rid mode: requests in flight at once (counter-named dumps always take one at a time)"
+    )
+    disk_check: str = Field(
+        "refuse",
+        description="when a new job's estimated size does not fit on the output volume: refuse (507), warn "
+        "(recorded in the job) or off",
+    )
     api_tokens: str = Field(
         "",
         description="comma-separated bearer tokens, each TOKEN or TOKEN:read; when set, every endpoint but "
         "/healthz needs one, and :read tokens may only read",
     )
-    disk_check: str = Field(
-        "refuse",
-        description="at job creation, when the output volume lacks room for the "
-        "job's estimated size: refuse (507), warn (recorded in the job) or off",
+    run_writer: bool = Field(
+        True,
+        description="run the single writer for the dump root in this process; without it the process serves "
+        "the API only, and another process must run the writer",
     )
-    max_in_flight: int = Field(4, description="rid mode: requests kept in flight at once (counter mode: always 1)")
-    run_writer: bool = Field(True, description="run the single writer for the dump root in this process")
 
     def resolved_staging_dir(self) -> Path:
         if self.staging_dir is not None:

@@ -1,18 +1,24 @@
-"""The `hsx` client commands against the real service and reference server: output (plain and --json), exit
-codes, errors on stderr, resumable verified downloads, progress display."""
+"""The `hsx` command line: every command's help without torch, `hsx serve`'s flags from Settings, and the client
+commands against the real service and reference server: output (plain and --json), exit codes, errors on stderr,
+resumable verified downloads, progress display."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hsx import cli
-from hsx.commands.common import Progress
+from hsx.cli import serve
+from hsx.cli.client.common import Progress
+from hsx.config import Settings
 from hsx.sdk import HsxClient
 
 from tests.support.procs import hsx_command
@@ -21,6 +27,98 @@ from tests.test_sdk import start_stack, stop_stack
 
 WRITE, READ = "cli-writer", "cli-reader"
 CLIENT_COMMANDS = ["submit", "status", "jobs", "samples", "cancel", "retry", "delete", "manifest", "download"]
+
+
+NO_TORCH = """\
+import sys
+
+
+class RefuseHeavyImports:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ModuleNotFoundError(f"No module named {name!r} (refused by the test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, RefuseHeavyImports())
+"""
+
+
+EVERY_HELP = """\
+import json, sys
+from hsx.cli import main
+
+for argv in json.loads(sys.argv[1]):
+    try:
+        main([*argv, "--help"])
+    except SystemExit as exc:
+        assert exc.code == 0, (argv, exc.code)
+    assert "torch" not in sys.modules and "transformers" not in sys.modules
+"""
+
+
+def test_every_help_works_without_torch(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(NO_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    blocked = subprocess.run(
+        [sys.executable, "-c", "import torch"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert blocked.returncode != 0 and "refused by the test" in blocked.stderr
+    for argv, usage in ((hsx_command(), "usage: hsx"), ([sys.executable, "-m", "hsx.reference"], "usage: python")):
+        proc = subprocess.run([*argv, "--help"], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.startswith(usage), proc.stderr
+    # The subcommands' help in one process: `hsx` imports every command module whichever one runs.
+    commands = [[importlib.import_module(module).NAME] for module in cli.COMMANDS]
+    commands += [["export", target] for target in ("specforge", "speculators", "modelopt")]
+    proc = subprocess.run(
+        [sys.executable, "-c", EVERY_HELP, json.dumps(commands)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("usage: hsx ") == len(commands)
+
+
+def serve_help(capsys, monkeypatch) -> dict[str, str]:
+    """`hsx serve --help`: each option's help text (whitespace collapsed) by its first flag."""
+    monkeypatch.setenv("COLUMNS", "1000")  # wide enough that no help text is wrapped
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--help"])
+    assert exc.value.code == 0
+    options = capsys.readouterr().out.split("\noptions:\n")[1]
+    entries = [" ".join(entry.split()) for entry in re.split(r"\n(?=  -)", options)]
+    return {entry.split()[0].rstrip(","): entry for entry in entries}
+
+
+def test_serve_flags_and_help_come_from_settings(capsys, monkeypatch):
+    help_of = serve_help(capsys, monkeypatch)
+    for name, field in Settings.model_fields.items():
+        text = help_of[serve.OFF_SWITCHES.get(name, f"--{name.replace('_', '-')}")]
+        assert field.description and field.description in text and f"env HSX_{name.upper()}" in text
+    assert help_of["--backend-url"].endswith("(env HSX_BACKEND_URL; default http://127.0.0.1:30000)")
+    assert help_of["--staging-dir"].endswith("(env HSX_STAGING_DIR; default unset)")
+    assert help_of["--no-writer"].endswith("(env HSX_RUN_WRITER=false)")
+    assert set(help_of) == {"-h", "--log-level", "--no-writer"} | {
+        f"--{name.replace('_', '-')}" for name in Settings.model_fields if name != "run_writer"
+    }
+
+
+def test_serve_settings_flags_win_over_environment(monkeypatch):
+    parser = cli.build_parser()
+    for name in Settings.model_fields:
+        monkeypatch.delenv(f"HSX_{name.upper()}", raising=False)
+    monkeypatch.setenv("HSX_PORT", "7000")
+    monkeypatch.setenv("HSX_MAX_ATTEMPTS", "5")
+    settings = serve.settings_from_args(parser.parse_args(["serve", "--port", "9001", "--dump-root", "/tmp/d"]))
+    assert settings.port == 9001 and settings.max_attempts == 5 and settings.dump_root == Path("/tmp/d")
+    assert settings.run_writer and settings.staging_dir is None and settings.shard_max_wait_s == 30.0
+    assert not serve.settings_from_args(parser.parse_args(["serve", "--no-writer"])).run_writer
+    monkeypatch.setenv("HSX_RUN_WRITER", "false")
+    assert not serve.settings_from_args(parser.parse_args(["serve"])).run_writer
+    args = parser.parse_args(["serve", "--shard-max-wait-s", "0.5", "--staging-dir", "/tmp/s", "--log-level", "debug"])
+    settings = serve.settings_from_args(args)
+    assert settings.shard_max_wait_s == 0.5 and settings.staging_dir == Path("/tmp/s") and args.log_level == "debug"
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["serve", "--port", "eighty"])
+    assert exc.value.code == 2
 
 
 @pytest.fixture(scope="module")

@@ -341,6 +341,6 @@ def test_cli_speculators_with_checkpoint(llama, tmp_path, capsys):
 
 
 def test_cli_modules_stay_light():
-    code = "import sys, hsx.export_cli, hsx.verify_cli; print('torch' in sys.modules)"
+    code = "import sys, hsx.cli.export, hsx.cli.verify; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

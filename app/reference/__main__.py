@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hsx.reference import cli
+from hsx.cli import reference_server
 
 
 def _main() -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hsx.reference",
-        description=cli.DESCRIPTION,
+        description=reference_server.DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cli.add_arguments(parser)
-    return cli.main(parser.parse_args())
+    reference_server.add_arguments(parser)
+    return reference_server.main(parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from itertools import islice
 
-from hsx.commands.common import ENV_NOTE, add_common, print_json, run, table, when
+from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run, table, when
+from hsx.states import JobState
 
 NAME = "jobs"
 HELP = "list jobs, newest first"
@@ -18,11 +19,9 @@ examples:
   hsx jobs --state failed --all --json
 """
 
-STATES = ["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state", choices=STATES, help="only jobs in this state")
+    parser.add_argument("--state", choices=[s.value for s in JobState], help="only jobs in this state")
     parser.add_argument("--limit", type=int, default=20, help="at most this many (default: %(default)s)")
     parser.add_argument("--all", action="store_true", help="every job, however many")
     add_common(parser)

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from hsx.commands.common import ENV_NOTE, TERMINAL, add_common, follow, human_bytes, print_json, run
+from hsx.cli.client.common import ENV_NOTE, add_common, follow, human_bytes, print_json, run
+from hsx.states import TERMINAL_JOB_STATES
 
 NAME = "download"
 HELP = "download a job's shards and manifest.json into DIR (resumable, sha256-checked)"
@@ -78,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
                     "skipped": resumed is None,
                 }
             )
-        finished = manifest.state in TERMINAL
+        finished = manifest.state in TERMINAL_JOB_STATES
         if not finished:
             print(
                 f"hsx download: job {manifest.job_id} is {manifest.state}: downloaded the {len(shards)} shard(s) "

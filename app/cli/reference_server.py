@@ -7,6 +7,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 NAME = "reference-server"
 HELP = "run the SGLang-compatible reference model server that writes hidden-state dumps"
@@ -173,7 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-SYNTHETIC_DEFAULTS = {
+SYNTHETIC_DEFAULTS: dict[str, Any] = {
     "hidden_size": 4096,
     "num_layers": 32,
     "vocab_size": 32000,

@@ -1,30 +1,31 @@
 """The `hsx` command line: one subcommand per module listed in COMMANDS.
 
 Each module provides NAME, HELP, DESCRIPTION, add_arguments(parser) and main(args) -> int, and
-imports anything heavy (torch, transformers) inside main so that `--help` stays fast.
+imports anything heavy (torch, transformers) inside main so that `--help` stays fast and works
+where neither is installed. The client commands, which talk to a running service through the
+SDK, live in hsx.cli.client.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 COMMANDS = [
-    "hsx.serve",
-    "hsx.reference.cli",
-    "hsx.demo",
-    "hsx.export_cli",
-    "hsx.verify_cli",
-    "hsx.commands.submit",
-    "hsx.commands.status",
-    "hsx.commands.jobs",
-    "hsx.commands.samples",
-    "hsx.commands.cancel",
-    "hsx.commands.retry",
-    "hsx.commands.delete",
-    "hsx.commands.manifest",
-    "hsx.commands.download",
+    "hsx.cli.serve",
+    "hsx.cli.reference_server",
+    "hsx.cli.demo",
+    "hsx.cli.export",
+    "hsx.cli.verify",
+    "hsx.cli.client.submit",
+    "hsx.cli.client.status",
+    "hsx.cli.client.jobs",
+    "hsx.cli.client.samples",
+    "hsx.cli.client.cancel",
+    "hsx.cli.client.retry",
+    "hsx.cli.client.delete",
+    "hsx.cli.client.manifest",
+    "hsx.cli.client.download",
 ]
 
 
@@ -50,7 +51,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.handler(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from hsx.commands.common import ENV_NOTE, Progress, add_common, duration, outcome, print_json, progress_line, run, when
+from hsx.cli.client.common import (
+    ENV_NOTE,
+    Progress,
+    add_common,
+    duration,
+    outcome,
+    print_json,
+    progress_line,
+    run,
+    when,
+)
 
 NAME = "status"
 HELP = "show a job's progress (bar, rate, ETA); --watch follows it until it finishes"

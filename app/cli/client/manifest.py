@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hsx.commands.common import ENV_NOTE, add_common, print_json, run
+from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run
 
 NAME = "manifest"
 HELP = "print a job's manifest (model, layers, shards with sha256, sample placement) or save it with -o"

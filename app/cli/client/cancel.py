@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hsx.commands.common import ENV_NOTE, add_common, print_json, progress_line, run
+from hsx.cli.client.common import ENV_NOTE, add_common, print_json, progress_line, run
 
 NAME = "cancel"
 HELP = "cancel a job: queued samples are cancelled, the one in flight is finished and stored"

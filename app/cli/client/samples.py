@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from itertools import islice
 
-from hsx.commands.common import ENV_NOTE, add_common, print_json, run, table, when
+from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run, table, when
+from hsx.states import SampleState
 
 NAME = "samples"
 HELP = "list a job's samples (e.g. --state failed, with reasons) or show one with its attempts"
@@ -19,13 +20,11 @@ examples:
   hsx samples job_0123abcd sample-17
 """
 
-STATES = ["queued", "running", "staged", "succeeded", "failed", "cancelled"]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job id")
     parser.add_argument("sample", metavar="SAMPLE", nargs="?", help="one sample's id: show it with its attempts")
-    parser.add_argument("--state", choices=STATES, help="only samples in this state")
+    parser.add_argument("--state", choices=[s.value for s in SampleState], help="only samples in this state")
     parser.add_argument("--limit", type=int, default=100, help="at most this many (default: %(default)s; 0: all)")
     add_common(parser)
 

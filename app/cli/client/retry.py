@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hsx.commands.common import ENV_NOTE, add_common, print_json, progress_line, run
+from hsx.cli.client.common import ENV_NOTE, add_common, print_json, progress_line, run
 
 NAME = "retry"
 HELP = "queue a job's failed samples again, with a fresh attempt budget"

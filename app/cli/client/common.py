@@ -9,11 +9,12 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
+from hsx.states import TERMINAL_JOB_STATES, JobState
+
 if TYPE_CHECKING:
     from hsx.sdk import HsxClient, HsxError, Job
 
 ENV_NOTE = "Service: $HSX_URL (default http://127.0.0.1:8000); bearer token: $HSX_TOKEN."
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 class UsageError(Exception):
@@ -156,7 +157,7 @@ class Progress:
             self.stream.write("\r\033[K" + line)
             self.stream.flush()
             self.drawn = True
-        elif line != self.last and (time.monotonic() - self.last_t >= self.every or job.state in TERMINAL):
+        elif line != self.last and (time.monotonic() - self.last_t >= self.every or job.state in TERMINAL_JOB_STATES):
             print(line, file=self.stream, flush=True)
             self.last, self.last_t = line, time.monotonic()
 
@@ -178,14 +179,14 @@ def follow(hsx: HsxClient, job: Job | str, *, as_json: bool, interval: float = 1
 
 def outcome(job: Job, *, as_json: bool) -> int:
     """After following a job: a hint about failures on stderr, and exit 0 only when it succeeded."""
-    if job.state != "succeeded" and not as_json:
+    if job.state != JobState.SUCCEEDED and not as_json:
         why = f" ({job.error})" if job.error else ""
         print(
             f"job {job.id} {job.state}{why}; {job.counts.failed} failed, {job.counts.cancelled} cancelled"
             + (f"; see: hsx samples {job.id} --state failed" if job.counts.failed else ""),
             file=sys.stderr,
         )
-    return 0 if job.state == "succeeded" else 1
+    return 0 if job.state == JobState.SUCCEEDED else 1
 
 
 def when(dt, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hsx.commands.common import ENV_NOTE, add_common, print_json, run
+from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run
 
 NAME = "delete"
 HELP = "delete a finished job (and with --files its shards and manifest)"

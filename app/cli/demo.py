@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 import httpx
-from hsx.commands.common import Progress
+from hsx.cli.client.common import Progress
 from hsx.sdk import HsxClient
+from hsx.states import JobState
 
 NAME = "demo"
 HELP = "run a small job end to end on this machine (reference server + service)"
@@ -135,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
             )
         print(f"  job {job.state}: layers {manifest.layers}, hidden {manifest.hidden_size}, {manifest.dtype}")
         print(f"manifest: {job_dir / 'manifest.json'}")
-        return 0 if job.state == "succeeded" else 1
+        return 0 if job.state == JobState.SUCCEEDED else 1
     finally:
         _stop(svc)
         _stop(ref)

@@ -1,0 +1,87 @@
+"""`hsx serve`: settings from flags and HSX_* variables, the dump-root lock, then uvicorn.
+
+The flags are generated from Settings: one per field, named after it, its description as the help."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, get_args
+
+from hsx.config import Settings
+from pydantic.fields import FieldInfo
+
+NAME = "serve"
+HELP = "run the extraction service (API + dump-root writer)"
+DESCRIPTION = (
+    "Run the extraction service: the HTTP API plus the single writer for one dump root. "
+    "Every flag can also be set by an environment variable named HSX_<FLAG> (e.g. HSX_DATABASE_URL)."
+)
+
+# A setting that is on by default is given a switch that turns it off, named after what it turns off.
+OFF_SWITCHES = {"run_writer": "--no-writer"}
+
+
+def _env_var(name: str) -> str:
+    return f"{Settings.model_config.get('env_prefix', '')}{name}".upper()
+
+
+def _value_type(field: FieldInfo) -> type:
+    """Numbers are parsed here, so that a bad one is a usage error (exit 2); Settings converts the rest."""
+    kinds = [k for k in get_args(field.annotation) if k is not type(None)] or [field.annotation]
+    return kinds[0] if kinds[0] in (int, float) else str
+
+
+def _shown(default: Any) -> str:
+    return "unset" if default in (None, "") else str(default)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        text = (field.description or "").replace("%", "%%")
+        if name in OFF_SWITCHES:
+            parser.add_argument(
+                OFF_SWITCHES[name],
+                dest=name,
+                action="store_const",
+                const=False,
+                default=None,
+                help=f"do not {text} (env {_env_var(name)}=false)",
+            )
+            continue
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=_value_type(field),
+            default=None,
+            help=f"{text} (env {_env_var(name)}; default {_shown(field.default)})",
+        )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The flags given win over the environment, which wins over the defaults."""
+    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
+    return Settings(**given)
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+    from hsx.api.app import create_app
+    from hsx.backends.dumps import DumpRootBusy
+    from hsx.db.engine import make_engine, session_factory
+    from hsx.scheduler.writer import Writer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    writer = None
+    if settings.run_writer:
+        writer = Writer(settings, session_factory(make_engine(settings.database_url)))
+        try:
+            writer.acquire()
+        except DumpRootBusy as exc:
+            print(f"hsx serve: {exc}", file=sys.stderr)
+            return 2
+    app = create_app(settings, writer)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    return 0
