@@ -3,15 +3,18 @@
 `verify_job(job_dir)` is a pure function of the folder: it reads, never writes, and returns a
 `VerifyReport` whose `to_dict()` is JSON-serialisable. It checks
 
-- the manifest: readable, `hsx-manifest/1`, layers / hidden_size / dtype / shards / samples well formed;
+- the manifest: readable, `hsx-manifest/1`, its header as `hsx.manifest` describes it, with layers,
+  hidden_size and a float dtype, and its shard and sample entries one by one;
 - each shard: present, byte size and sha256 as recorded, a safetensors header with `input_ids` and
   `loss_mask` int64 [T] and `layer_<i>` [T, hidden_size] of the manifest's dtype for every layer,
   T equal to the recorded num_tokens, its own `sample_ids` / `offsets` metadata agreeing with the manifest;
 - each sample: a known shard, rows `offset .. offset + num_tokens` inside it and overlapping no other
-  sample's, ids unique, per-shard counts as recorded; then its rows themselves, read with safetensors'
-  `get_slice` a chunk at a time (never a shard whole): shapes, dtype, token ids in range, loss_mask 0/1,
-  and every hidden-state value finite.
+  sample's, ids unique, per-shard counts as recorded; then its rows themselves, read straight from the
+  shard file a chunk at a time (never a shard whole): shapes, token ids in range, loss_mask 0/1, and
+  every hidden-state value finite.
 
+It needs no torch: rows are read as numpy arrays (bfloat16 as its bit patterns, tested for NaN and Inf
+by integer arithmetic), so the service and `hsx verify` run it on the base install.
 Faults are listed per shard and per sample (at most `max_faults`; `summary` counts them all).
 """
 
@@ -25,16 +28,19 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
-import torch
-from hsx.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
-from hsx.storage.safetensors_raw import CODE_BY_NAME, SafetensorsFormatError, read_index
-from hsx.training.reader import TORCH_DTYPES
-from safetensors import safe_open
+import numpy as np
+from hsx.dtypes import DTYPES_BY_CODE
+from hsx.layers import layer_key
+from hsx.manifest import HiddenStates, ManifestHeader, ManifestSample, ManifestShard, locate, manifest_problems
+from hsx.storage.finite import FloatBits
+from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index, read_metadata
+from pydantic import BaseModel, ValidationError
 
 HASH_CHUNK = 8 * 1024 * 1024
-FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 _TEMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
+_Entry = TypeVar("_Entry", bound=BaseModel)
 
 
 @dataclass
@@ -97,10 +103,6 @@ class _Faults:
         self._add(self.report.sample_faults, Fault(kind, message, shard=shard, sample=sample))
 
 
-def _is_int(v: object, minimum: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -109,124 +111,136 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_manifest(m: object, faults: _Faults) -> bool:
-    """Whether the manifest's structure allows the shards and samples to be checked at all."""
-    if not isinstance(m, dict):
-        faults.job("manifest_invalid", "manifest.json is not a JSON object")
-        return False
-    problems = []
-    if m.get("format") != MANIFEST_FORMAT:
-        problems.append(f"format is {m.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-    layers = m.get("layers")
-    if not (
-        isinstance(layers, list) and layers and all(_is_int(i) for i in layers) and len(set(layers)) == len(layers)
-    ):
-        problems.append(f"layers {layers!r} is not a list of distinct layer numbers")
-    if not _is_int(m.get("hidden_size"), 1):
-        problems.append(f"hidden_size {m.get('hidden_size')!r} is not a positive integer")
-    dtype = m.get("dtype")
-    if not isinstance(dtype, str) or dtype not in FLOAT_DTYPES:
-        problems.append(f"dtype {m.get('dtype')!r} is not a floating-point dtype")
-    for key in ("shards", "samples"):
-        if not isinstance(m.get(key), list) or not all(isinstance(e, dict) for e in m.get(key) or []):
-            problems.append(f"{key} is not a list of objects")
-    for p in problems:
-        faults.job("manifest_invalid", p)
-    return not problems
+def _parse(model: type[_Entry], doc: dict) -> tuple[_Entry | None, list[str]]:
+    """A manifest entry as `model`, or the fields that keep it from being one."""
+    try:
+        return model.model_validate(doc), []
+    except ValidationError as exc:
+        return None, list(dict.fromkeys(str(e["loc"][0]) for e in exc.errors() if e["loc"]))
 
 
-def _shard_tensors(path: Path, entry: dict, m: dict, faults: _Faults) -> bool:
-    """Check a shard's header against the manifest; whether its rows can be read."""
-    name = entry["name"]
+class ShardRows:
+    """A shard's tensors read by row range straight from its file, where its header places them."""
+
+    def __init__(self, path: Path, spans: dict[str, TensorSpan]):
+        self.spans = spans
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __enter__(self) -> ShardRows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def dtype(self, key: str) -> str:
+        return DTYPES_BY_CODE[self.spans[key].dtype].name
+
+    def rows(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop of tensor `key` (fewer past its end); bfloat16 as uint16 bit patterns."""
+        span = self.spans[key]
+        data = span.read_rows(self._fd, start, stop)
+        return np.frombuffer(data, dtype=DTYPES_BY_CODE[span.dtype].numpy).reshape(-1, *span.shape[1:])
+
+
+def _shard_tensors(path: Path, entry: ManifestShard, hs: HiddenStates, faults: _Faults) -> dict[str, TensorSpan] | None:
+    """Check a shard's header against the manifest; its tensors, if their rows can be read."""
+    name = entry.name
     try:
         spans = read_index(path)
     except (SafetensorsFormatError, OSError) as exc:
         faults.shard(name, "header_invalid", str(exc))
-        return False
-    total = entry.get("num_tokens")
+        return None
+    total = entry.num_tokens
     ok = True
-    want = {"input_ids": ("I64", (total,)), "loss_mask": ("I64", (total,))}
-    want.update({f"layer_{i}": (CODE_BY_NAME[m["dtype"]], (total, m["hidden_size"])) for i in m["layers"]})
-    for key, (code, shape) in want.items():
+    want: dict[str, tuple[str, tuple[int, ...]]] = {"input_ids": ("I64", (total,)), "loss_mask": ("I64", (total,))}
+    want.update({layer_key(i): (hs.dtype.code, (total, hs.hidden_size)) for i in hs.layers})
+    for key, (dtype, shape) in want.items():
         span = spans.get(key)
         if span is None:
             faults.shard(name, "tensor_missing", f"no tensor {key}")
             ok = False
-        elif span.dtype != code:
-            faults.shard(name, "tensor_dtype", f"{key} is {span.dtype}, the manifest says {code}")
+        elif span.dtype != dtype:
+            faults.shard(name, "tensor_dtype", f"{key} is {span.dtype}, the manifest says {dtype}")
             ok = False
         elif span.shape != shape:
             faults.shard(name, "tensor_shape", f"{key} has shape {list(span.shape)}, expected {list(shape)}")
             ok = False
-    return ok
+    return spans if ok else None
 
 
-def _shard_metadata(path: Path, name: str, placed: list[dict], faults: _Faults) -> None:
+def _shard_metadata(path: Path, name: str, placed: list[ManifestSample], faults: _Faults) -> None:
     """The shard's own __metadata__ (sample_ids, offsets) must agree with the manifest."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+        meta = read_metadata(path)
         ids, offsets = meta.get("sample_ids"), meta.get("offsets")
         if ids is None or offsets is None:
             return
-        ids, offsets = json.loads(ids), json.loads(offsets)
+        in_shard = dict(zip(json.loads(ids), json.loads(offsets)))
     except Exception as exc:  # noqa: BLE001 - any unreadable metadata is a fault, not a crash
         faults.shard(name, "metadata_invalid", f"unreadable __metadata__: {exc}")
         return
-    in_shard = dict(zip(ids, offsets))
     for s in placed:
-        if in_shard.get(s["id"]) != s["offset"]:
+        if in_shard.get(s.id) != s.offset:
             faults.sample(
-                str(s["id"]),
+                s.id,
                 name,
                 "metadata_mismatch",
-                f"the manifest places it at offset {s['offset']}, the shard's metadata at {in_shard.get(s['id'])}",
+                f"the manifest places it at offset {s.offset}, the shard's metadata at {in_shard.get(s.id)}",
             )
 
 
-def _check_rows(handle, name: str, s: dict, m: dict, vocab: int | None, chunk_rows: int, faults: _Faults) -> None:
-    sid, start, n = str(s["id"]), s["offset"], s["num_tokens"]
+def _check_rows(
+    rows: ShardRows,
+    name: str,
+    s: ManifestSample,
+    hs: HiddenStates,
+    vocab: int | None,
+    chunk_rows: int,
+    faults: _Faults,
+) -> None:
+    sid, start, n = s.id, s.offset, s.num_tokens
     for key in ("input_ids", "loss_mask"):
-        t = handle.get_slice(key)[start : start + n]
-        if tuple(t.shape) != (n,) or t.dtype != torch.int64:
-            faults.sample(sid, name, "sample_shape", f"{key} rows are {t.dtype} {list(t.shape)}, expected int64 [{n}]")
+        t = rows.rows(key, start, start + n)
+        if t.shape != (n,) or rows.dtype(key) != "int64":
+            faults.sample(
+                sid, name, "sample_shape", f"{key} rows are {rows.dtype(key)} {list(t.shape)}, expected int64 [{n}]"
+            )
             continue
         if key == "input_ids":
             bad = (t < 0) if vocab is None else ((t < 0) | (t >= vocab))
-            if bool(bad.any()):
-                row = int(bad.nonzero()[0, 0])
+            if bad.any():
+                row = int(np.flatnonzero(bad)[0])
                 faults.sample(
                     sid,
                     name,
                     "bad_token_id",
                     f"input_ids[{row}] = {int(t[row])} is outside [0, {vocab if vocab is not None else 'inf'})",
                 )
-        elif bool(((t != 0) & (t != 1)).any()):
+        elif ((t != 0) & (t != 1)).any():
             faults.sample(sid, name, "bad_loss_mask", "loss_mask holds values other than 0 and 1")
-    dtype = TORCH_DTYPES[m["dtype"]]
-    for layer in m["layers"]:
-        sl = handle.get_slice(f"layer_{layer}")
+    bits = FloatBits.of(hs.dtype)
+    for layer in hs.layers:
+        key = layer_key(layer)
         for lo in range(0, n, chunk_rows):
-            rows = min(chunk_rows, n - lo)
-            t = sl[start + lo : start + lo + rows]
-            if tuple(t.shape) != (rows, m["hidden_size"]) or t.dtype != dtype:
+            count = min(chunk_rows, n - lo)
+            t = rows.rows(key, start + lo, start + lo + count)
+            if t.shape != (count, hs.hidden_size):
                 faults.sample(
                     sid,
                     name,
                     "sample_shape",
-                    f"layer_{layer} rows are {t.dtype} {list(t.shape)}, "
-                    f"expected {m['dtype']} [{rows}, {m['hidden_size']}]",
+                    f"{key} rows are {rows.dtype(key)} {list(t.shape)}, "
+                    f"expected {hs.dtype.name} [{count}, {hs.hidden_size}]",
                 )
                 break
-            finite = torch.isfinite(t)
-            if not bool(finite.all()):
-                bad_rows = (~finite).any(dim=1).nonzero()[:, 0]
-                nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            nan, inf = bits.nan_and_inf(t)
+            if nan.any() or inf.any():
+                first = int(np.flatnonzero((nan | inf).any(axis=1))[0])
                 faults.sample(
                     sid,
                     name,
                     "non_finite",
-                    f"layer_{layer} has {nan} NaN and {inf} inf values, first in token {lo + int(bad_rows[0])}",
+                    f"{key} has {int(nan.sum())} NaN and {int(inf.sum())} inf values, first in token {lo + first}",
                 )
                 break
 
@@ -240,13 +254,10 @@ def verify_job(
     max_faults: int = 1000,
 ) -> VerifyReport:
     """Check the job folder (or its manifest.json) against its manifest; see the module docstring."""
-    job_dir = Path(job_dir)
-    manifest_path = job_dir / MANIFEST_NAME
-    if job_dir.is_file():
-        job_dir, manifest_path = job_dir.parent, job_dir
+    job_dir, manifest_path = locate(job_dir)
     report = VerifyReport(str(job_dir))
     faults = _Faults(report, max_faults)
-    summary = {
+    summary: dict[str, Any] = {
         "shards": 0,
         "shards_ok": 0,
         "samples": 0,
@@ -259,16 +270,30 @@ def verify_job(
     }
     report.summary = summary
     try:
-        m = json.loads(manifest_path.read_text())
+        doc = json.loads(manifest_path.read_text())
     except FileNotFoundError:
         faults.job("manifest_missing", f"{manifest_path} does not exist")
-        m = None
+        doc = None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         faults.job("manifest_unreadable", f"{manifest_path}: {exc}")
-        m = None
+        doc = None
     placement: dict[str, str | None] = {}
-    if m is not None and _check_manifest(m, faults):
-        placement = _verify_contents(job_dir, m, faults, summary, check_hashes, check_values, max(1, chunk_rows))
+    problems = manifest_problems(doc) if doc is not None else []
+    for problem in problems:
+        faults.job("manifest_invalid", problem)
+    if doc is not None and not problems:
+        header = ManifestHeader.model_validate(doc)
+        placement = _verify_contents(
+            job_dir,
+            header,
+            doc["shards"],
+            doc["samples"],
+            faults,
+            summary,
+            check_hashes,
+            check_values,
+            max(1, chunk_rows),
+        )
     summary["faults"] = sum(faults.kinds.values())
     summary["faults_by_kind"] = dict(sorted(faults.kinds.items()))
     summary["faults_listed"] = len(report.job_faults) + len(report.shard_faults) + len(report.sample_faults)
@@ -281,24 +306,33 @@ def verify_job(
 
 
 def _verify_contents(
-    job_dir: Path, m: dict, faults: _Faults, summary: dict, check_hashes: bool, check_values: bool, chunk_rows: int
+    job_dir: Path,
+    m: ManifestHeader,
+    shard_docs: list[dict],
+    sample_docs: list[dict],
+    faults: _Faults,
+    summary: dict,
+    check_hashes: bool,
+    check_values: bool,
+    chunk_rows: int,
 ) -> dict[str, str | None]:
     """Check shards and samples; return each sample id's shard (for counting the sound ones)."""
-    shards: dict[str, dict] = {}
-    readable: set[str] = set()
-    summary["shards"] = len(m["shards"])
-    for entry in m["shards"]:
-        name = entry.get("name")
-        if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
+    hs = m.hidden_states()
+    shards: dict[str, ManifestShard | None] = {}  # None: listed, but its entry is not valid
+    readable: dict[str, dict[str, TensorSpan]] = {}
+    summary["shards"] = len(shard_docs)
+    for doc in shard_docs:
+        entry, bad = _parse(ManifestShard, doc)
+        name = doc.get("name")
+        if "name" in bad or not isinstance(name, str):
             faults.job("manifest_invalid", f"shard name {name!r} is not a file name")
             continue
         if name in shards:
             faults.shard(name, "duplicate_shard", "listed twice in the manifest")
             continue
         shards[name] = entry
-        bad = [k for k in ("bytes", "num_tokens", "num_samples") if not _is_int(entry.get(k))]
-        if bad or not isinstance(entry.get("sha256"), str):
-            faults.shard(name, "manifest_invalid", f"entry lacks a valid {', '.join(bad) or 'sha256'}")
+        if entry is None:
+            faults.shard(name, "manifest_invalid", f"entry lacks a valid {', '.join(bad)}")
             continue
         path = job_dir / name
         if not path.is_file():
@@ -306,26 +340,26 @@ def _verify_contents(
             continue
         size = path.stat().st_size
         summary["bytes"] += size
-        if size != entry["bytes"]:
-            faults.shard(name, "size_mismatch", f"{size} bytes on disk, the manifest records {entry['bytes']}")
+        if size != entry.bytes:
+            faults.shard(name, "size_mismatch", f"{size} bytes on disk, the manifest records {entry.bytes}")
         if check_hashes:
             digest = _sha256(path)
-            if digest != entry["sha256"]:
-                faults.shard(name, "sha256_mismatch", f"sha256 {digest}, the manifest records {entry['sha256']}")
-        if _shard_tensors(path, entry, m, faults):
-            readable.add(name)
+            if digest != entry.sha256:
+                faults.shard(name, "sha256_mismatch", f"sha256 {digest}, the manifest records {entry.sha256}")
+        spans = _shard_tensors(path, entry, hs, faults)
+        if spans is not None:
+            readable[name] = spans
 
-    samples = m["samples"]
-    summary["samples"] = len(samples)
-    by_shard: dict[str, list[dict]] = {}
-    seen: set = set()
+    summary["samples"] = len(sample_docs)
+    by_shard: dict[str, list[ManifestSample]] = {}
+    seen: set[str] = set()
     placement: dict[str, str | None] = {}
-    for s in samples:
-        sid = s.get("id")
+    for doc in sample_docs:
+        sample, bad = _parse(ManifestSample, doc)
+        sid, shard = doc.get("id"), doc.get("shard")
         label = str(sid)
-        shard = s.get("shard")
         placement.setdefault(label, shard if isinstance(shard, str) else None)
-        if not isinstance(sid, (str, int)) or isinstance(sid, bool):
+        if "id" in bad or not isinstance(sid, str):
             faults.sample(label, None, "manifest_invalid", f"sample id {sid!r} is not a string")
             continue
         if sid in seen:
@@ -340,67 +374,70 @@ def _verify_contents(
                 f"its shard {shard!r} is not among the manifest's shards",
             )
             continue
-        if not (_is_int(s.get("offset")) and _is_int(s.get("num_tokens"), 1)):
+        if sample is None:
             faults.sample(
                 label,
                 shard,
                 "manifest_invalid",
-                f"offset {s.get('offset')!r} / num_tokens {s.get('num_tokens')!r} are not valid",
+                f"offset {doc.get('offset')!r} / num_tokens {doc.get('num_tokens')!r} are not valid",
             )
             continue
-        summary["tokens"] += s["num_tokens"]
-        total = shards[shard]["num_tokens"]
-        if _is_int(total) and s["offset"] + s["num_tokens"] > total:
+        summary["tokens"] += sample.num_tokens
+        entry = shards[shard]
+        if entry is not None and sample.offset + sample.num_tokens > entry.num_tokens:
             faults.sample(
                 label,
                 shard,
                 "out_of_range",
-                f"rows {s['offset']}..{s['offset'] + s['num_tokens']} end past the shard's {total} rows",
+                f"rows {sample.offset}..{sample.offset + sample.num_tokens} end past the shard's "
+                f"{entry.num_tokens} rows",
             )
             continue
-        by_shard.setdefault(shard, []).append(s)
+        by_shard.setdefault(shard, []).append(sample)
 
     for name, placed in by_shard.items():
-        placed.sort(key=lambda s: (s["offset"], s["num_tokens"]))
+        placed.sort(key=lambda s: (s.offset, s.num_tokens))
         for a, b in zip(placed, placed[1:]):
-            if b["offset"] < a["offset"] + a["num_tokens"]:
+            if b.offset < a.offset + a.num_tokens:
                 faults.sample(
-                    str(b["id"]),
+                    b.id,
                     name,
                     "overlap",
-                    f"rows {b['offset']}..{b['offset'] + b['num_tokens']} "
-                    f"overlap sample {a['id']!r} ({a['offset']}..{a['offset'] + a['num_tokens']})",
+                    f"rows {b.offset}..{b.offset + b.num_tokens} "
+                    f"overlap sample {a.id!r} ({a.offset}..{a.offset + a.num_tokens})",
                 )
-    for name, entry in shards.items():
+    for name, listed in shards.items():
+        if listed is None:
+            continue
         placed = by_shard.get(name, [])
-        n_tokens = sum(s["num_tokens"] for s in placed)
-        if _is_int(entry.get("num_samples")) and len(placed) != entry["num_samples"]:
+        n_tokens = sum(s.num_tokens for s in placed)
+        if len(placed) != listed.num_samples:
             faults.shard(
                 name,
                 "count_mismatch",
-                f"the manifest places {len(placed)} samples in it, its entry records {entry['num_samples']}",
+                f"the manifest places {len(placed)} samples in it, its entry records {listed.num_samples}",
             )
-        if _is_int(entry.get("num_tokens")) and n_tokens != entry["num_tokens"]:
+        if n_tokens != listed.num_tokens:
             faults.shard(
-                name, "count_mismatch", f"its samples cover {n_tokens} rows, its entry records {entry['num_tokens']}"
+                name, "count_mismatch", f"its samples cover {n_tokens} rows, its entry records {listed.num_tokens}"
             )
-    if _is_int(m.get("num_stored")) and m["num_stored"] != len(samples):
-        faults.job("count_mismatch", f"num_stored is {m['num_stored']} but {len(samples)} samples are listed")
+    if m.num_stored != len(sample_docs):
+        faults.job("count_mismatch", f"num_stored is {m.num_stored} but {len(sample_docs)} samples are listed")
 
-    vocab = (m.get("model") or {}).get("vocab_size")
-    vocab = vocab if _is_int(vocab, 1) else None
+    declared = (m.model or {}).get("vocab_size")
+    vocab = declared if isinstance(declared, int) and not isinstance(declared, bool) and declared >= 1 else None
     _warn_unlisted(job_dir, set(shards), faults.report)
     if not check_values:
         return placement
     for name in sorted(readable):
         path = job_dir / name
         _shard_metadata(path, name, by_shard.get(name, []), faults)
-        with safe_open(str(path), framework="pt") as handle:
+        with ShardRows(path, readable[name]) as rows:
             for s in by_shard.get(name, []):
                 try:
-                    _check_rows(handle, name, s, m, vocab, chunk_rows, faults)
+                    _check_rows(rows, name, s, hs, vocab, chunk_rows, faults)
                 except Exception as exc:  # noqa: BLE001 - a read that fails is this sample's fault, not a crash
-                    faults.sample(str(s["id"]), name, "unreadable", f"reading its rows failed: {exc}")
+                    faults.sample(s.id, name, "unreadable", f"reading its rows failed: {exc}")
                     continue
                 summary["samples_read"] += 1
     return placement

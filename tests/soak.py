@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 import torch
+from hsx.manifest import load_manifest, read_rows
 from hsx.reference.synthetic import synthetic_hidden_states
-from hsx.storage.manifest import load_manifest, read_rows
 
 from tests.support.procs import Process, free_port, hsx_command
 
@@ -231,8 +231,8 @@ class Soak:
     def check(self, job_id: str, samples: list[dict], job: dict) -> dict:
         job_dir = self.output_root / job_id
         manifest = load_manifest(job_dir)
-        placed = Counter(s["id"] for s in manifest["samples"])
-        by_id = {s["id"]: s for s in manifest["samples"]}
+        placed = Counter(s.id for s in manifest.samples)
+        by_id = {s.id: s for s in manifest.samples}
         failed = {}
         after = None
         while True:
@@ -247,10 +247,11 @@ class Soak:
             entry = by_id.get(s["id"])
             if entry is None:
                 continue
-            rows = read_rows(job_dir / entry["shard"], entry["offset"], entry["num_tokens"], manifest["layers"])
-            truth = synthetic_hidden_states(s["input_ids"], manifest["layers"], HIDDEN, torch.bfloat16)
+            layers = manifest.layers or []
+            rows = read_rows(job_dir / entry.shard, entry.offset, entry.num_tokens, layers)
+            truth = synthetic_hidden_states(s["input_ids"], layers, HIDDEN, torch.bfloat16)
             ok = rows["input_ids"].tolist() == s["input_ids"] and all(
-                torch.equal(rows[f"layer_{i}"], truth[i]) for i in manifest["layers"]
+                torch.equal(rows[f"layer_{i}"], truth[i]) for i in layers
             )
             wrong += not ok
         stored = len(by_id)
@@ -261,7 +262,7 @@ class Soak:
             "failed": len(failed),
             "stored_but_wrong": wrong,
             "stored_twice": sum(c - 1 for c in placed.values() if c > 1)
-            + (sum(sh["num_samples"] for sh in manifest["shards"]) - stored),
+            + (sum(sh.num_samples for sh in manifest.shards) - stored),
             "lost": len(samples) - stored - len(failed),
             "failed_reasons": Counter(r.split(":", 1)[0] for r in failed.values()),
             "injected": dict(sorted(self.injected.items())),

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import torch
-from hsx.storage.manifest import load_manifest, read_sample
+from hsx.manifest import load_manifest, read_sample
 from safetensors.torch import load
 
 from tests.support.stack import VOCAB, start_reference, start_service
@@ -63,7 +63,7 @@ def test_cancel_stores_what_was_in_flight_and_nothing_half(stack, recompute):
     assert final["state"] == "cancelled" and final["finished_at"]
     assert c["succeeded"] + c["cancelled"] == 40 and c["queued"] == c["running"] == c["staged"] == 0
     assert c["cancelled"] > 0
-    stored = [s for s in samples if s["id"] in {x["id"] for x in load_manifest(svc.output_root / job["id"])["samples"]}]
+    stored = [s for s in samples if s["id"] in {x.id for x in load_manifest(svc.output_root / job["id"]).samples}]
     assert len(stored) == c["succeeded"]
     manifest = load_manifest(svc.output_root / job["id"])
     for s in stored:
@@ -171,16 +171,16 @@ def test_downloads_events_and_metrics(stack, recompute):
     job = svc.get(f"/v1/jobs/{job_id}").json()
     manifest = assert_stored_exactly(svc, job, samples, recompute)
 
-    shard = manifest["shards"][0]
-    url = f"{svc.url}/v1/jobs/{job_id}/shards/{shard['name']}"
+    shard = manifest.shards[0]
+    url = f"{svc.url}/v1/jobs/{job_id}/shards/{shard.name}"
     whole = svc.client.get(url)
-    assert whole.headers["etag"] == f'"{shard["sha256"]}"'
-    assert hashlib.sha256(whole.content).hexdigest() == shard["sha256"]
+    assert whole.headers["etag"] == f'"{shard.sha256}"'
+    assert hashlib.sha256(whole.content).hexdigest() == shard.sha256
     part = svc.client.get(url, headers={"Range": "bytes=100-199"})
     assert part.status_code == 206 and part.content == whole.content[100:200]
-    assert part.headers["content-range"] == f"bytes 100-199/{shard['bytes']}"
+    assert part.headers["content-range"] == f"bytes 100-199/{shard.bytes}"
     assert svc.client.get(url, headers={"If-None-Match": whole.headers["etag"]}).status_code == 304
-    past = svc.client.get(url, headers={"Range": f"bytes={shard['bytes']}-"})
+    past = svc.client.get(url, headers={"Range": f"bytes={shard.bytes}-"})
     assert past.status_code == 416 and past.headers["content-type"].startswith("application/problem+json")
 
     one = svc.client.get(f"{svc.url}/v1/jobs/{job_id}/tensors/{samples[2]['id']}")

@@ -7,8 +7,8 @@ import pickle
 import pytest
 import safetensors
 import torch
+from hsx.layers import eagle3_capture_layers, select_layers
 from hsx.training.dataset import HiddenStateDataset
-from hsx.training.layers import eagle3_capture_layers, select_layers
 from torch.utils.data import DataLoader
 
 from tests.support.jobs import LLAMA_LAYERS, llama_job, make_job, tiny_llama
@@ -124,7 +124,7 @@ def test_real_model_layers_map_to_hf_hidden_states(tmp_path):
     """hsx layer k is transformers' hidden_states[k]; the last one is the decoder output after the final norm."""
     model = tiny_llama()
     job, hidden = llama_job(tmp_path, model, layers=eagle3_capture_layers(LLAMA_LAYERS))
-    assert job.manifest["layers"] == [2, 4, 5, 8]
+    assert job.manifest.layers == [2, 4, 5, 8]
     ds = HiddenStateDataset(job.job_dir)
     pre_norm = {}
     hook = model.model.layers[-1].register_forward_hook(

@@ -261,7 +261,7 @@ def test_rerun_rewrites_nothing_and_fills_gaps(job, tmp_path, target):
     after = mtimes(out)
     assert {k for k in after if after[k] != before.get(k)} == {str(victim.relative_to(out))}
     record = json.loads((out / RECORD_NAME).read_text())
-    assert record["complete"] is True and record["job_id"] == job.manifest["job_id"] and len(record["files"]) == 5
+    assert record["complete"] is True and record["job_id"] == job.manifest.job_id and len(record["files"]) == 5
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import torch
-from hsx.storage.manifest import load_manifest, read_sample
+from hsx.manifest import Manifest, load_manifest, read_sample
 from safetensors import safe_open
 
 from tests.support.procs import free_port
@@ -34,29 +34,29 @@ def make_samples(n: int, seed: int, lo: int = 3, hi: int = 90) -> list[dict]:
     return out
 
 
-def assert_stored_exactly(service, job: dict, samples: list[dict], recompute) -> dict:
+def assert_stored_exactly(service, job: dict, samples: list[dict], recompute) -> Manifest:
     """Every sample stored once, in a shard whose sha256 matches, with exactly its own tensors."""
     assert job["state"] == "succeeded", job
     assert job["counts"]["succeeded"] == len(samples)
     assert job["tokens"]["done"] == job["tokens"]["total"] == sum(len(s["input_ids"]) for s in samples)
     job_dir = service.output_root / job["id"]
     manifest = load_manifest(job_dir)
-    assert manifest == service.get(f"/v1/jobs/{job['id']}/manifest").json()
-    assert manifest["layers"] == DEFAULT_LAYERS and manifest["dtype"] == "bfloat16"
-    for shard in manifest["shards"]:
-        data = (job_dir / shard["name"]).read_bytes()
-        assert len(data) == shard["bytes"]
-        assert hashlib.sha256(data).hexdigest() == shard["sha256"]
-        with safe_open(str(job_dir / shard["name"]), framework="pt") as f:
-            assert f.get_slice("input_ids").get_shape() == [shard["num_tokens"]]
-    assert [s["id"] for s in manifest["samples"]] == [s["id"] for s in samples]
+    assert manifest.model_dump(mode="json") == service.get(f"/v1/jobs/{job['id']}/manifest").json()
+    assert manifest.layers == DEFAULT_LAYERS and manifest.dtype == "bfloat16"
+    for shard in manifest.shards:
+        data = (job_dir / shard.name).read_bytes()
+        assert len(data) == shard.bytes
+        assert hashlib.sha256(data).hexdigest() == shard.sha256
+        with safe_open(str(job_dir / shard.name), framework="pt") as f:
+            assert f.get_slice("input_ids").get_shape() == [shard.num_tokens]
+    assert [s.id for s in manifest.samples] == [s["id"] for s in samples]
     for sample in samples:
         stored = read_sample(job_dir, manifest, sample["id"])
         ids = sample["input_ids"]
         assert stored["input_ids"].tolist() == ids
         assert stored["loss_mask"].tolist() == sample.get("loss_mask", [1] * len(ids))
         truth = recompute(ids)
-        for layer in manifest["layers"]:
+        for layer in manifest.layers or []:
             got = stored[f"layer_{layer}"]
             assert got.dtype == truth[layer].dtype
             assert torch.equal(got, truth[layer]), f"{sample['id']} layer {layer} differs"
@@ -76,7 +76,7 @@ def test_job_end_to_end_counter_mode(tmp_path, database_url, checkpoint, recompu
         assert created["state"] == "queued" and created["counts"]["total"] == 14
         job = svc.wait_job(created["id"])
         manifest = assert_stored_exactly(svc, job, samples, recompute)
-        assert len(manifest["shards"]) >= 2, "a small shard size must roll over into several shards"
+        assert len(manifest.shards) >= 2, "a small shard size must roll over into several shards"
 
         page1 = svc.get(f"/v1/jobs/{job['id']}/samples", params={"limit": 5}).json()
         page2 = svc.get(f"/v1/jobs/{job['id']}/samples", params={"limit": 5, "after": page1["next_after"]}).json()
@@ -86,10 +86,10 @@ def test_job_end_to_end_counter_mode(tmp_path, database_url, checkpoint, recompu
         detail = svc.get(f"/v1/jobs/{job['id']}/samples/{first['id']}").json()
         assert detail["attempt_log"][-1]["outcome"] == "ok"
 
-        shard = manifest["shards"][0]
-        download = svc.get(f"/v1/jobs/{job['id']}/shards/{shard['name']}")
+        shard = manifest.shards[0]
+        download = svc.get(f"/v1/jobs/{job['id']}/shards/{shard.name}")
         assert download.status_code == 200
-        assert hashlib.sha256(download.content).hexdigest() == shard["sha256"]
+        assert hashlib.sha256(download.content).hexdigest() == shard.sha256
         assert not any((svc.output_root / job["id"]).glob(".*tmp*")), "no temporary file may be left behind"
     finally:
         svc.stop()

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 import torch
+from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
-from hsx.storage.manifest import load_manifest, read_sample
 
 from tests.support.procs import Process, free_port, hsx_command
 from tests.support.stack import start_service
@@ -85,7 +85,7 @@ def run_job(svc, items: list[dict]) -> dict:
 
 def assert_exact(svc, job: dict, items: list[dict]) -> None:
     manifest = load_manifest(svc.output_root / job["id"])
-    assert [s["id"] for s in manifest["samples"]] == [s["id"] for s in items]
+    assert [s.id for s in manifest.samples] == [s["id"] for s in items]
     for s in items:
         got = read_sample(svc.output_root / job["id"], manifest, s["id"])
         truth = synthetic_hidden_states(s["input_ids"], LAYERS, HIDDEN, torch.bfloat16)
@@ -172,7 +172,7 @@ def test_bad_dumps_past_the_budget_fail_the_sample_and_store_nothing(stack):
     faults(url, None)
     assert job["state"] == "failed" and job["counts"]["failed"] == 2 and job["counts"]["succeeded"] == 0
     manifest = load_manifest(svc.output_root / job["id"])
-    assert manifest["samples"] == [] and manifest["shards"] == []
+    assert manifest.samples == [] and manifest.shards == []
     for s in items:
         sample = svc.get(f"/v1/jobs/{job['id']}/samples/{s['id']}").json()
         assert sample["state"] == "failed" and sample["attempts"] == 3
@@ -231,7 +231,7 @@ def test_staged_samples_go_to_a_shard_while_the_last_request_runs(tmp_path):
         assert job["state"] == "succeeded"
         assert_exact(svc, job, items)
         manifest = load_manifest(svc.output_root / job["id"])
-        assert [sh["num_samples"] for sh in manifest["shards"]] == [3, 1]
+        assert [sh.num_samples for sh in manifest.shards] == [3, 1]
     finally:
         svc.stop()
         proc.stop()

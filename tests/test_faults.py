@@ -114,10 +114,10 @@ def test_service_sigkilled_at_random_moments(tmp_path, checkpoint, recompute, da
                 break
         job = svc.wait_job(job_id)
         manifest = assert_stored_exactly(svc, job, samples, recompute)
-        named = {s["name"] for s in manifest["shards"]}
+        named = {s.name for s in manifest.shards}
         on_disk = {p.name for p in (svc.output_root / job_id).iterdir()}
         assert on_disk == named | {"manifest.json"}, "no partial or orphaned file may be left"
-        assert sum(s["num_samples"] for s in manifest["shards"]) == len(samples), "no sample stored twice"
+        assert sum(s.num_samples for s in manifest.shards) == len(samples), "no sample stored twice"
         assert kills >= 1
     finally:
         svc.stop()

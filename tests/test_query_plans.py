@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
-from hsx.manifests import manifest_document
+from hsx.manifest import build_manifest
 from sqlalchemy import event, text
 
 pytestmark = pytest.mark.postgres
@@ -50,7 +50,7 @@ def test_hot_queries_use_indexes(postgres_url):
         repo.waiting_reason(s)
         repo.finish_job_if_done(s, other.id)
         next(repo.iter_stored_samples(s, job.id, batch=1000), None)
-        manifest_document(s, repo.get_job(s, other.id))
+        build_manifest(s, repo.get_job(s, other.id))
         s.rollback()
     event.remove(engine, "before_cursor_execute", record)
     assert len(statements) >= 10

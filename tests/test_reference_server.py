@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from hsx.layers import eagle3_capture_layers
 from hsx.reference.dumper import DumpWriter, input_ids_sha256
-from hsx.reference.model import ModelRunner, default_capture_layers
+from hsx.reference.model import ModelRunner
 from hsx.reference.server import WARMUP_INPUT_IDS, BadRequest, Engine
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -183,7 +184,7 @@ def test_prefill_only_generate_matches_transformers(servers, reference):
     directory = one_new_dump(server, before)
     meta, tensors, ids = read_dump(directory)
     assert directory.name == f"req_{meta['counter']}" and meta["rid"] == "p0"
-    assert_matches_reference(meta, tensors, ids, prompt, reference, default_capture_layers(LAYERS))
+    assert_matches_reference(meta, tensors, ids, prompt, reference, eagle3_capture_layers(LAYERS))
 
 
 def test_decode_dumps_only_the_prompt(servers, reference):
@@ -196,7 +197,7 @@ def test_decode_dumps_only_the_prompt(servers, reference):
     assert len(reply["meta_info"]["id"]) == 32  # default rid: uuid4 hex
     assert "hidden_states" not in reply["meta_info"]  # not honoured without --enable-return-hidden-states
     meta, tensors, ids = read_dump(one_new_dump(server, before))
-    assert_matches_reference(meta, tensors, ids, prompt, reference, default_capture_layers(LAYERS))
+    assert_matches_reference(meta, tensors, ids, prompt, reference, eagle3_capture_layers(LAYERS))
     again = server.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 6}}).json()
     assert again["output_ids"] == reply["output_ids"]
 
@@ -420,8 +421,8 @@ def test_layers_are_validated_and_defaulted(checkpoint):
     assert ModelRunner(model, "m", [4, 0, 4]).layers == [0, 4]
     with pytest.raises(ValueError):
         ModelRunner(model, "m", [5])
-    assert default_capture_layers(8) == [2, 4, 5, 8]
-    assert default_capture_layers(LAYERS) == [1, 2, 4]
+    assert eagle3_capture_layers(8) == [2, 4, 5, 8]
+    assert eagle3_capture_layers(LAYERS) == [1, 2, 4]
 
 
 def test_module_entry_point_help():

@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hsx.dtypes import DTYPES
+from hsx.manifest import Manifest, ManifestSample, ManifestShard, read_sample
+from hsx.states import JobState
 from hsx.storage import shards, sink
-from hsx.storage.manifest import read_sample
 from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
 from hsx.storage.shards import SHARD_FORMAT, NonFiniteSamples, ShardSample, shard_name, write_shard
 from safetensors import safe_open
@@ -22,7 +24,6 @@ from safetensors.torch import load_file, save_file
 
 LAYERS = [3, 1]  # deliberately not sorted: the shard follows the order it is given
 HIDDEN = 6
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -41,7 +42,7 @@ class Fixture:
 
     def __init__(self, src: Path, dtype: str, seed: int = 0, ids: tuple[str, ...] = ("s-a", "s-b", "s-c")):
         g = torch.Generator().manual_seed(seed)
-        tdtype = DTYPES[dtype]
+        tdtype = DTYPES[dtype].torch
         lengths = [3, 5, 2]
         self.ids = list(ids)
         self.tensors = {i: [torch.randn(n, HIDDEN, generator=g).to(tdtype) for n in lengths] for i in LAYERS}
@@ -229,20 +230,35 @@ def test_read_sample_returns_its_rows(tmp_path, dtype):
     fx = Fixture(tmp_path / "src", dtype)
     job = tmp_path / "job-1"
     info = write_shard(job / shard_name(0), fx.samples, LAYERS, dtype, HIDDEN)
-    manifest = {
-        "layers": LAYERS,
-        "samples": [
-            {"id": s.sample_id, "shard": info.name, "offset": off, "num_tokens": s.num_tokens}
+    manifest = Manifest(
+        job_id=job.name,
+        state=JobState.SUCCEEDED,
+        layers=LAYERS,
+        hidden_size=HIDDEN,
+        dtype=dtype,
+        num_samples=len(fx.samples),
+        num_stored=len(fx.samples),
+        shards=[
+            ManifestShard(
+                name=info.name,
+                bytes=info.bytes,
+                sha256=info.sha256,
+                num_samples=info.num_samples,
+                num_tokens=info.num_tokens,
+            )
+        ],
+        samples=[
+            ManifestSample(id=s.sample_id, shard=info.name, offset=off, num_tokens=s.num_tokens)
             for s, off in zip(fx.samples, info.offsets)
         ],
-    }
+    )
     for k, s in enumerate(fx.samples):
         got = read_sample(job, manifest, s.sample_id)
         assert set(got) == {"input_ids", "loss_mask"} | {f"layer_{i}" for i in LAYERS}
         assert torch.equal(got["input_ids"], torch.from_numpy(fx.input_ids[k]))
         assert torch.equal(got["loss_mask"], torch.from_numpy(fx.masks[k]))
         for i in LAYERS:
-            assert got[f"layer_{i}"].dtype == DTYPES[dtype]
+            assert got[f"layer_{i}"].dtype == DTYPES[dtype].torch
             assert torch.equal(got[f"layer_{i}"], fx.tensors[i][k]), (k, i)
     with pytest.raises(KeyError):
         read_sample(job, manifest, "no-such-sample")

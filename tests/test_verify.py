@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from hsx.cli import main as hsx
 from hsx.storage.safetensors_raw import read_index
-from hsx.verify import verify_job
+from hsx.verify import ShardRows, verify_job
 
 from tests.support.jobs import make_job, random_samples
 
@@ -29,7 +31,7 @@ def test_a_sound_job_passes(job):
     s = report.summary
     assert (s["shards"], s["shards_ok"], s["samples"], s["samples_ok"], s["samples_read"]) == (3, 3, 5, 5, 5)
     assert s["tokens"] == sum(x.input_ids.shape[0] for x in job.samples)
-    assert s["bytes"] == sum(x["bytes"] for x in job.manifest["shards"])
+    assert s["bytes"] == sum(x.bytes for x in job.manifest.shards)
     assert s["faults"] == 0 and report.warnings == []
     assert json.loads(json.dumps(report.to_dict()))["ok"] is True
     assert verify_job(job.manifest_path).ok
@@ -90,9 +92,9 @@ def test_bad_token_ids_and_loss_mask(tmp_path):
 
 
 def test_overlapping_and_out_of_range_samples(job):
-    entries = job.manifest["samples"]
-    entries[1]["offset"] = entries[0]["offset"] + 1  # same shard as sample 0, now overlapping it
-    entries[3]["num_tokens"] += 100  # past the end of its shard
+    entries = job.manifest.samples
+    entries[1].offset = entries[0].offset + 1  # same shard as sample 0, now overlapping it
+    entries[3].num_tokens += 100  # past the end of its shard
     job.rewrite_manifest()
     report = verify_job(job.job_dir)
     k = kinds(report)
@@ -105,22 +107,22 @@ def test_overlapping_and_out_of_range_samples(job):
 
 
 def test_manifest_dtype_and_layers_must_match_the_shards(job):
-    job.manifest["dtype"] = "float16"
+    job.manifest.dtype = "float16"
     job.rewrite_manifest()
     report = verify_job(job.job_dir)
     assert kinds(report) == {"tensor_dtype": 3 * 4}
     assert report.summary["samples_read"] == 0 and report.summary["samples_ok"] == 0
-    job.manifest["dtype"] = "bfloat16"
-    job.manifest["layers"] = [2, 4, 5, 8, 9]
+    job.manifest.dtype = "bfloat16"
+    job.manifest.layers = [2, 4, 5, 8, 9]
     job.rewrite_manifest()
     assert kinds(verify_job(job.job_dir)) == {"tensor_missing": 3}
 
 
 def test_duplicate_ids_unknown_shards_and_counts(job):
-    entries = job.manifest["samples"]
-    entries[2]["id"] = entries[0]["id"]
-    entries[4]["shard"] = "shard-000009.safetensors"
-    job.manifest["num_stored"] = 7
+    entries = job.manifest.samples
+    entries[2].id = entries[0].id
+    entries[4].shard = "shard-000009.safetensors"
+    job.manifest.num_stored = 7
     job.rewrite_manifest()
     k = kinds(verify_job(job.job_dir))
     assert k["duplicate_sample_id"] == 1 and k["unknown_shard"] == 1
@@ -146,7 +148,7 @@ def test_unlisted_files_are_warnings(job):
 
 
 def test_fault_list_is_capped_but_counted(job):
-    job.manifest["dtype"] = "float16"
+    job.manifest.dtype = "float16"
     job.rewrite_manifest()
     report = verify_job(job.job_dir, max_faults=5)
     d = report.to_dict()
@@ -165,42 +167,64 @@ def test_cli(job, capsys):
 
 
 def test_reads_rows_a_chunk_at_a_time(job, monkeypatch):
-    """The value checks slice at most chunk_rows rows at a time out of the shards; nothing is read whole."""
-    import safetensors
+    """The value checks read at most chunk_rows rows at a time out of the shards; nothing is read whole."""
     import safetensors.torch
 
-    real_open, reads = safetensors.safe_open, []
+    real_rows, reads = ShardRows.rows, []
 
-    class Slice:
-        def __init__(self, inner, key):
-            self.inner, self.key = inner, key
+    def rows(self, key, start, stop):
+        t = real_rows(self, key, start, stop)
+        reads.append((key, t.shape[0]))
+        return t
 
-        def __getitem__(self, index):
-            t = self.inner[index]
-            reads.append((self.key, t.shape[0]))
-            return t
-
-    class SliceOnly:  # a shard handle that offers get_slice and metadata, nothing else
-        def __init__(self, *args, **kwargs):
-            self.f = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def get_slice(self, key):
-            return Slice(self.f.get_slice(key), key)
-
-        def metadata(self):
-            return self.f.metadata()
-
-    monkeypatch.setattr("hsx.verify.safe_open", SliceOnly)
+    monkeypatch.setattr(ShardRows, "rows", rows)
     monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("a shard was loaded whole"))
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load used"))
     assert verify_job(job.job_dir, chunk_rows=3).summary["samples_read"] == 5
     layer_reads = [n for key, n in reads if key.startswith("layer_")]
     assert layer_reads and max(layer_reads) <= 3
     assert sum(n for key, n in reads if key == "layer_8") == sum(s.input_ids.shape[0] for s in job.samples)
+
+
+# Stands in for an install without torch (the service's): importing torch fails.
+NO_TORCH = """
+import sys
+
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoTorch())
+"""
+VERIFY = (
+    "import sys; from hsx.cli import main; code = main(sys.argv[1:]); assert 'torch' not in sys.modules; sys.exit(code)"
+)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_verify_runs_without_torch(tmp_path, dtype):
+    good = make_job(tmp_path / "good", dtype=dtype, num_samples=3)
+    bad = make_job(tmp_path / "bad", dtype=dtype, num_samples=3)
+    bad.set_value("s-1", 5, 1, 2, float("nan"))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", *args], env=env, capture_output=True, text=True, timeout=120)
+
+    assert run("import torch").returncode != 0, "torch must be unimportable in the subprocess"
+    ok = run(VERIFY, "verify", str(good.job_dir))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "OK" in ok.stdout
+    faulty = run(VERIFY, "verify", str(bad.job_dir), "--json")
+    assert faulty.returncode == 1, faulty.stdout + faulty.stderr
+    report = json.loads(faulty.stdout)
+    assert report["summary"]["faults_by_kind"] == {"non_finite": 1}
+    assert report["sample_faults"][0]["sample"] == "s-1"
+    assert "layer_5 has 1 NaN and 0 inf values, first in token 1" in report["sample_faults"][0]["message"]

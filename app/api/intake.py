@@ -18,10 +18,10 @@ from hsx.api.problems import InvalidInput, ProblemError
 from hsx.api.schemas import SampleIn
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
+from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-ITEMSIZE_BY_NAME = {"bfloat16": 2, "float16": 2, "float32": 4}
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ERRORS = 50
 BATCH = 2000
@@ -41,9 +41,9 @@ class Limits:
     def bytes_per_token(self, job_layers: list[int] | None) -> int | None:
         """Shard bytes per token: every captured layer's row plus int64 input_ids and loss_mask."""
         layers = job_layers or self.layers
-        if not layers or not self.hidden_size or self.dtype not in ITEMSIZE_BY_NAME:
+        if not layers or not self.hidden_size or self.dtype not in HIDDEN_STATE_DTYPES:
             return None
-        return len(layers) * self.hidden_size * ITEMSIZE_BY_NAME[self.dtype] + 16
+        return len(layers) * self.hidden_size * DTYPES[self.dtype].itemsize + 16
 
 
 class Ingest:

@@ -27,13 +27,14 @@ from hsx.api.schemas import (
     SamplePage,
     SampleState,
     Tokens,
-    check_layers,
     utc,
 )
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.models import TERMINAL_JOB_STATES, JobRow, SampleRow
-from hsx.manifests import finish_job, job_dir, manifest_document
+from hsx.layers import check_layers, parse_layers
+from hsx.manifest import build_manifest, job_dir
+from hsx.manifests import finish_job
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -318,7 +319,7 @@ async def create_job(
         layer_list = None
         if layers is not None:
             try:
-                layer_list = check_layers([int(x) for x in layers.split(",")])
+                layer_list = check_layers(parse_layers(layers))
             except ValueError as exc:
                 raise InvalidInput([{"field": "layers", "message": str(exc)}]) from None
         out = await _create_from_ndjson(request, settings, limits, name, layer_list, idempotency_key)
@@ -457,7 +458,7 @@ def list_samples(
     summary="One stored sample's tensors as a small safetensors file",
 )
 def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, settings: SettingsDep) -> Response:
-    from hsx.storage.manifest import read_rows
+    from hsx.manifest import read_rows
     from safetensors.torch import save
 
     job = _job(session, job_id)
@@ -496,7 +497,7 @@ def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOu
     summary="The job's manifest: model, layers, shards (with sha256) and where each sample lies",
 )
 def get_manifest(job_id: str, session: ReadSessionDep) -> dict:
-    return manifest_document(session, _job(session, job_id))
+    return build_manifest(session, _job(session, job_id)).model_dump(mode="json")
 
 
 RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Literal
 
+from hsx.layers import check_layers
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 JobState = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
@@ -41,12 +42,6 @@ class JobCreate(BaseModel):
     @classmethod
     def _layers(cls, v: list[int] | None) -> list[int] | None:
         return None if v is None else check_layers(v)
-
-
-def check_layers(layers: list[int]) -> list[int]:
-    if not layers or layers != sorted(set(layers)) or layers[0] < 0:
-        raise ValueError("layers must be a non-empty list of non-negative, unique, ascending layer indices")
-    return layers
 
 
 class Counts(BaseModel):

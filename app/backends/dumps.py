@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from hsx.storage.finite import FLOAT_BITS
-from hsx.storage.safetensors_raw import CODE_BY_NAME, NAME_BY_CODE, SafetensorsFormatError, TensorSpan, read_index
+from hsx.dtypes import DTYPES, DTYPES_BY_CODE, HIDDEN_STATE_DTYPES
+from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
 from safetensors import safe_open
 
 REQUIRED_META = ("num_tokens", "layers", "hidden_size", "dtype")
@@ -218,7 +218,8 @@ def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | LoadedTensor]:
             raise DumpRejected("bad_tensor_file", f"layer_{i}.pt unreadable: {exc}") from exc
         if not isinstance(t, torch.Tensor):
             raise DumpRejected("bad_tensor_file", f"layer_{i}.pt holds {type(t).__name__}, not a tensor")
-        code = CODE_BY_NAME.get(str(t.dtype).removeprefix("torch."), str(t.dtype))
+        name = str(t.dtype).removeprefix("torch.")
+        code = DTYPES[name].code if name in DTYPES else str(t.dtype)
         out[i] = LoadedTensor(code, tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
     return out
 
@@ -240,7 +241,7 @@ def validate(
     if int(meta.get("cached_tokens") or 0) != 0:
         raise DumpRejected("cached_tokens", f"{meta['cached_tokens']} prompt tokens came from the prefix cache")
     n, hidden, dtype = int(meta["num_tokens"]), int(meta["hidden_size"]), str(meta["dtype"])
-    if dtype not in FLOAT_BITS:
+    if dtype not in HIDDEN_STATE_DTYPES:
         raise DumpRejected("wrong_dtype", f"meta dtype {dtype!r} is not bfloat16, float16 or float32")
     layers = [int(i) for i in meta["layers"]]
     if expect_layers is not None and layers != list(expect_layers):
@@ -251,8 +252,8 @@ def validate(
         raise DumpRejected("wrong_dtype", f"dtype {dtype} != {expect_dtype}")
     checked: dict[int, TensorSpan | bytes] = {}
     for i, src in _layer_sources(d, meta).items():
-        if NAME_BY_CODE.get(src.dtype) != dtype:
-            actual = NAME_BY_CODE.get(src.dtype, src.dtype)
+        actual = DTYPES_BY_CODE[src.dtype].name if src.dtype in DTYPES_BY_CODE else src.dtype
+        if actual != dtype:
             raise DumpRejected("wrong_dtype", f"layer_{i} is {actual}, meta says {dtype}")
         if tuple(src.shape) != (n, hidden):
             raise DumpRejected("wrong_shape", f"layer_{i} has shape {list(src.shape)}, expected [{n}, {hidden}]")

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from hsx.layers import layers_arg
+
 NAME = "export"
 HELP = "export a job for SpecForge, vLLM speculators or NVIDIA Model Optimizer training"
 DESCRIPTION = """\
@@ -21,16 +23,6 @@ Rerunning into the same folder skips files already complete; every file is writt
 """
 
 
-def _layer_list(text: str) -> list[int]:
-    try:
-        layers = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
-    if not layers:
-        raise argparse.ArgumentTypeError("no layers given")
-    return layers
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="the job folder, or its manifest.json")
     p.add_argument("out_dir", help="output folder (created; must be empty or hold an earlier run of this export)")
@@ -43,7 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--aux-layers",
-        type=_layer_list,
+        type=layers_arg,
         default=None,
         metavar="I,J,K",
         help="aux layers in hsx numbering (default: the target's EAGLE-3 convention, [2, L//2, L-3])",

@@ -9,6 +9,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from hsx.dtypes import HIDDEN_STATE_DTYPES
+from hsx.layers import eagle3_capture_layers, layers_arg
+
 NAME = "reference-server"
 HELP = "run the SGLang-compatible reference model server that writes hidden-state dumps"
 DESCRIPTION = """\
@@ -44,16 +47,6 @@ bad_meta_json, or a list of them). Details: the docstring of app/reference/fault
 """
 
 
-def _layer_list(text: str) -> list[int]:
-    try:
-        layers = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not layers:
-        raise argparse.ArgumentTypeError("expected at least one layer index")
-    return layers
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -79,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--layers",
-        type=_layer_list,
+        type=layers_arg,
         metavar="I,J,...",
         default=None,
         help="hidden-state layers to dump, HF numbering (0 = embeddings, L = last layer after the final "
@@ -87,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=("auto", "bfloat16", "float16", "float32"),
+        choices=("auto", *HIDDEN_STATE_DTYPES),
         default="auto",
         help="model and dump dtype; auto = the checkpoint's own (bfloat16 for the embedded model) "
         "(default: %(default)s)",
@@ -187,11 +180,10 @@ SYNTHETIC_DEFAULTS: dict[str, Any] = {
 
 
 def _synthetic_runner(args: argparse.Namespace):
-    from hsx.reference.common import default_capture_layers
     from hsx.reference.synthetic import SyntheticRunner
 
     opts = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in SYNTHETIC_DEFAULTS.items()}
-    layers = args.layers if args.layers is not None else default_capture_layers(opts["num_layers"])
+    layers = args.layers if args.layers is not None else eagle3_capture_layers(opts["num_layers"])
     batching = args.name_by == "rid" and opts["max_batch"] > 1
     if opts["max_batch"] > 1 and not batching:
         print("note: --max-batch only batches in rid mode; counter mode serves one request at a time", file=sys.stderr)
@@ -230,11 +222,11 @@ def main(args: argparse.Namespace) -> int:
         if args.synthetic:
             runner = _synthetic_runner(args)
         else:
-            from hsx.reference.model import ModelRunner, default_capture_layers, load_model
+            from hsx.reference.model import ModelRunner, load_model
 
             model, model_path = load_model(args.model, args.dtype)
             num_layers = int(model.config.num_hidden_layers)
-            layers = args.layers if args.layers is not None else default_capture_layers(num_layers)
+            layers = args.layers if args.layers is not None else eagle3_capture_layers(num_layers)
             runner = ModelRunner(model, model_path, layers)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -3,7 +3,7 @@
 An export turns a job (manifest + shards) into one file per sample in a training framework's own
 offline layout. It refuses (ExportRefused, nothing written) a job whose captured layers do not fit the
 target's convention. Each file is written under a temporary name in its own folder, fsynced and
-renamed (`atomic_writer`), so a file that exists under its final name is complete; a rerun skips
+renamed (`atomic_file`), so a file that exists under its final name is complete; a rerun skips
 those and writes only the missing ones. `hsx-export.json` in the output folder records the job, the
 settings and which sample each file holds; a rerun with other settings, or into a folder that holds
 something else, is refused instead of mixing two exports.
@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import BinaryIO, Callable, ClassVar
 
 import torch
-from hsx.storage.atomic import atomic_writer
-from hsx.training.reader import Job, ShardReader, layer_key
+from hsx.layers import layer_key
+from hsx.manifest import ManifestSample
+from hsx.storage.atomic import atomic_file
+from hsx.training.reader import ShardReader, StoredJob
 
 RECORD_NAME = "hsx-export.json"
 RECORD_FORMAT = "hsx-export/1"
 LOCK_NAME = ".hsx-export.lock"
-# atomic_writer's temporary names: `.<name>.tmp-<pid>`; one left by a killed run is removed on resume
+# atomic_file's temporary names: `.<name>.tmp-<pid>`; one left by a killed run is removed on resume
 _TEMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
 
 
@@ -61,7 +63,7 @@ def own(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def require_num_layers(job: Job, num_layers: int | None) -> int:
+def require_num_layers(job: StoredJob, num_layers: int | None) -> int:
     """L, the model's number of decoder layers: from the manifest, or --num-layers when it lacks it."""
     declared = job.num_hidden_layers
     if num_layers is not None and declared is not None and int(num_layers) != declared:
@@ -77,7 +79,7 @@ def require_num_layers(job: Job, num_layers: int | None) -> int:
     return int(value)
 
 
-def require_layers(job: Job, target: str, wanted: list[int], what: str) -> None:
+def require_layers(job: StoredJob, target: str, wanted: list[int], what: str) -> None:
     missing = [i for i in wanted if i not in job.layers]
     if missing:
         raise ExportRefused(
@@ -90,7 +92,7 @@ class Exporter(ABC):
 
     target: ClassVar[str] = ""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: StoredJob):
         self.job = job
 
     @abstractmethod
@@ -113,7 +115,7 @@ class Exporter(ABC):
         """A check on real data before anything is written (optional)."""
 
     @abstractmethod
-    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: dict, planned: PlannedFile) -> None:
+    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
         """Write one file's content for one sample's rows."""
 
     def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:
@@ -172,7 +174,7 @@ def _remove_stale_temps(folders: set[Path]) -> None:
 
 
 def _write_record(path: Path, record: dict) -> None:
-    with atomic_writer(path) as f:
+    with atomic_file(path) as f:
         f.write(json.dumps(record, indent=1).encode() + b"\n")
 
 
@@ -214,7 +216,7 @@ def run_export(
         for n, p in enumerate(todo):
             entry = entries[p.index]
             rows = reader.sample(entry, keys)
-            with atomic_writer(out_dir / p.rel_path) as f:
+            with atomic_file(out_dir / p.rel_path) as f:
                 exporter.encode(f, rows, entry, p)
             written += 1
             if progress is not None:

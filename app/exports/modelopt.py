@@ -28,7 +28,9 @@ from typing import BinaryIO
 
 import torch
 from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
-from hsx.training.reader import Job, layer_key
+from hsx.layers import layer_key
+from hsx.manifest import ManifestSample
+from hsx.training.reader import StoredJob
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,150}$")
 
@@ -49,7 +51,7 @@ def file_stem(sample_id: object) -> str:
 class ModelOptExporter(Exporter):
     target = "modelopt"
 
-    def __init__(self, job: Job, *, num_layers: int | None = None, aux_layers: list[int] | None = None):
+    def __init__(self, job: StoredJob, *, num_layers: int | None = None, aux_layers: list[int] | None = None):
         super().__init__(job)
         self.num_layers = require_num_layers(job, num_layers)
         if aux_layers is None:
@@ -70,16 +72,16 @@ class ModelOptExporter(Exporter):
         self._names = self._file_names()
 
     def _file_names(self) -> list[str]:
-        names = [f"{file_stem(s['id'])}.pt" for s in self.job.samples]
+        names = [f"{file_stem(s.id)}.pt" for s in self.job.samples]
         seen: dict[str, str] = {}
         for name, s in zip(names, self.job.samples):
-            other = seen.setdefault(name, s["id"])
-            if other != s["id"]:
-                raise ExportRefused(f"samples {other!r} and {s['id']!r} would share the file name {name}")
+            other = seen.setdefault(name, s.id)
+            if other != s.id:
+                raise ExportRefused(f"samples {other!r} and {s.id!r} would share the file name {name}")
         return names
 
     def plan(self) -> list[PlannedFile]:
-        return [PlannedFile(name, i, s["id"]) for i, (name, s) in enumerate(zip(self._names, self.job.samples))]
+        return [PlannedFile(name, i, s.id) for i, (name, s) in enumerate(zip(self._names, self.job.samples))]
 
     def keys(self) -> list[str]:
         return ["input_ids", "loss_mask"] + [layer_key(i) for i in self.aux_layers + [self.num_layers]]
@@ -97,7 +99,7 @@ class ModelOptExporter(Exporter):
             "train with answer_only_loss to use the stored loss_mask (otherwise Model Optimizer uses all ones)",
         ]
 
-    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: dict, planned: PlannedFile) -> None:
+    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
         aux = self.layer_rows(rows, self.aux_layers)
         torch.save(
             {
@@ -105,7 +107,7 @@ class ModelOptExporter(Exporter):
                 "hidden_states": own(rows[layer_key(self.num_layers)]),
                 "aux_hidden_states": own(aux[0] if len(aux) == 1 else torch.cat(aux, dim=-1)),
                 "loss_mask": own(rows["loss_mask"].to(torch.int64)),
-                "conversation_id": str(entry["id"]),
+                "conversation_id": str(entry.id),
                 "hidden_states_prenorm": False,
             },
             f,

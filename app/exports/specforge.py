@@ -23,8 +23,9 @@ from typing import BinaryIO
 
 import torch
 from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
-from hsx.training.layers import eagle3_aux_layers
-from hsx.training.reader import Job, layer_key
+from hsx.layers import eagle3_aux_layers, layer_key
+from hsx.manifest import ManifestSample
+from hsx.training.reader import StoredJob
 
 DEFAULT_GROUP_SIZE = 2000
 
@@ -34,7 +35,7 @@ class SpecForgeExporter(Exporter):
 
     def __init__(
         self,
-        job: Job,
+        job: StoredJob,
         *,
         num_layers: int | None = None,
         aux_layers: list[int] | None = None,
@@ -61,7 +62,7 @@ class SpecForgeExporter(Exporter):
     def plan(self) -> list[PlannedFile]:
         g = self.group_size
         return [
-            PlannedFile(f"rows_{i // g * g}-{i // g * g + g}/data_{i}.ckpt", i, s["id"])
+            PlannedFile(f"rows_{i // g * g}-{i // g * g + g}/data_{i}.ckpt", i, s.id)
             for i, s in enumerate(self.job.samples)
         ]
 
@@ -78,7 +79,7 @@ class SpecForgeExporter(Exporter):
         line += ", its default)" if ids == default else "; set model.aux_hidden_state_layer_ids to this)"
         return [line, f"hidden_state = hsx layer {self.num_layers} (after the final norm)"]
 
-    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: dict, planned: PlannedFile) -> None:
+    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
         aux = torch.cat(self.layer_rows(rows, self.aux_layers), dim=-1)
         torch.save(
             {

@@ -29,9 +29,10 @@ from typing import BinaryIO
 
 import torch
 from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
-from hsx.storage.atomic import atomic_writer
-from hsx.training.layers import eagle3_aux_layers
-from hsx.training.reader import Job, ShardReader, layer_key
+from hsx.layers import eagle3_aux_layers, layer_key
+from hsx.manifest import ManifestSample
+from hsx.storage.atomic import atomic_file
+from hsx.training.reader import ShardReader, StoredJob
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
@@ -86,7 +87,7 @@ class SpeculatorsExporter(Exporter):
 
     def __init__(
         self,
-        job: Job,
+        job: StoredJob,
         *,
         num_layers: int | None = None,
         aux_layers: list[int] | None = None,
@@ -129,7 +130,7 @@ class SpeculatorsExporter(Exporter):
         return self.aux_layers + [self.num_layers]
 
     def plan(self) -> list[PlannedFile]:
-        return [PlannedFile(f"hidden_states/hs_{i}.safetensors", i, s["id"]) for i, s in enumerate(self.job.samples)]
+        return [PlannedFile(f"hidden_states/hs_{i}.safetensors", i, s.id) for i, s in enumerate(self.job.samples)]
 
     def keys(self) -> list[str]:
         return ["input_ids"] + [layer_key(i) for i in self.target_layer_ids]
@@ -169,11 +170,11 @@ class SpeculatorsExporter(Exporter):
         if self.job.samples:
             entry = self.job.samples[0]
             rows = reader.sample(entry, [layer_key(self.num_layers)])
-            self.unnormed_last(rows[layer_key(self.num_layers)], entry["id"])
+            self.unnormed_last(rows[layer_key(self.num_layers)], entry.id)
 
-    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: dict, planned: PlannedFile) -> None:
+    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
         layers = self.layer_rows(rows, self.aux_layers)
-        layers.append(self.unnormed_last(rows[layer_key(self.num_layers)], entry["id"]))
+        layers.append(self.unnormed_last(rows[layer_key(self.num_layers)], entry.id))
         f.write(
             safetensors_bytes(
                 {"hidden_states": own(torch.stack(layers, dim=1)), "token_ids": own(rows["input_ids"].to(torch.int64))}
@@ -183,15 +184,15 @@ class SpeculatorsExporter(Exporter):
     def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:
         path = out_dir / SAMPLES_NAME
         if changed or not path.exists():
-            with atomic_writer(path) as f:
+            with atomic_file(path) as f:
                 for i, entry in enumerate(self.job.samples):
                     rows = reader.sample(entry, ["input_ids", "loss_mask"])
                     line = {
                         "index": i,
-                        "id": entry["id"],
+                        "id": entry.id,
                         "input_ids": rows["input_ids"].tolist(),
                         "loss_mask": rows["loss_mask"].tolist(),
-                        "seq_len": int(entry["num_tokens"]),
+                        "seq_len": entry.num_tokens,
                     }
                     f.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
         return [SAMPLES_NAME]

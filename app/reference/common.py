@@ -7,22 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from hsx.dtypes import DTYPES as DTYPE_TABLE
+from hsx.dtypes import HIDDEN_STATE_DTYPES
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+DTYPES: dict[str, torch.dtype] = {name: DTYPE_TABLE[name].torch for name in HIDDEN_STATE_DTYPES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def default_capture_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's aux layers plus the post-norm last layer, in HF hidden_states numbering."""
-    wanted = (2, num_layers // 2, num_layers - 3, num_layers)
-    return sorted({i for i in wanted if 0 <= i <= num_layers})
 
 
 def as_tensor(t) -> torch.Tensor:

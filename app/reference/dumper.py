@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from safetensors.torch import save_file
 
 HIDDEN_STATES_FILE = "hidden_states.safetensors"
@@ -20,7 +21,7 @@ META_FILE = "meta.json"
 DONE_FILE = "done"
 
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+SAFETENSORS_DTYPES = {DTYPES[name].torch: DTYPES[name].code for name in HIDDEN_STATE_DTYPES}
 IOV_MAX = 1024  # Linux's limit on the buffers of one writev
 
 

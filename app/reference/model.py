@@ -8,7 +8,7 @@ import torch
 import transformers
 
 # Re-exported: callers import these from here.
-from hsx.reference.common import DTYPES, ForwardResult, default_capture_layers, dtype_name  # noqa: F401
+from hsx.reference.common import DTYPES, ForwardResult, dtype_name  # noqa: F401
 from packaging.version import Version
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 

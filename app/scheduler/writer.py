@@ -37,7 +37,8 @@ from hsx.backends.extract import Expectation, Extractor
 from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
 from hsx.config import Settings
 from hsx.db import repository as repo
-from hsx.manifests import finish_job, job_dir
+from hsx.manifest import job_dir
+from hsx.manifests import finish_job
 from hsx.scheduler.metrics import WriterMetrics
 from hsx.scheduler.server_check import dump_breaking_settings
 from hsx.storage.shards import NonFiniteSamples, ShardSample, shard_name, write_shard

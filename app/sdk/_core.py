@@ -13,8 +13,10 @@ from urllib.parse import quote
 
 import httpx
 from hsx.sdk.errors import ChecksumMismatch, HsxError, Unavailable
-from hsx.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
-from hsx.storage.atomic import atomic_writer, fsync_path
+from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.states import TERMINAL_JOB_STATES
+from hsx.storage.atomic import atomic_file, fsync_path
+from pydantic import BaseModel
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 USER_AGENT = "hsx-sdk/0.1"
@@ -63,7 +65,7 @@ class Call:
 
     method: str
     path: str
-    model: type | None = None
+    model: type[BaseModel] | type[dict] | None = None
     params: dict | None = None
     json: Any = None
     headers: dict | None = None
@@ -74,7 +76,9 @@ class Call:
     def parse(self, resp: httpx.Response):
         if self.model is None:
             return None
-        return resp.json() if self.model is dict else self.model.model_validate_json(resp.content)
+        if issubclass(self.model, BaseModel):
+            return self.model.model_validate_json(resp.content)
+        return resp.json()
 
 
 def idem(key: str | None) -> dict | None:
@@ -190,7 +194,7 @@ class Poll:
         self.last = current
         if self.on_progress is not None:
             self.on_progress(current)
-        return current.state in TERMINAL_STATES
+        return current.state in TERMINAL_JOB_STATES
 
     def pause(self) -> float:
         """Seconds to sleep before the next poll; TimeoutError once the deadline has passed."""
@@ -222,7 +226,8 @@ class SSEDecoder:
     """Server-sent events, one line at a time: returns (event, data) when a blank line ends an event."""
 
     def __init__(self) -> None:
-        self.event, self.data = "", []
+        self.event = ""
+        self.data: list[str] = []
 
     def feed(self, line: str) -> tuple[str, str] | None:
         line = line.rstrip("\r\n")
@@ -351,6 +356,8 @@ class ShardDownload:
         self.progress()
 
     def write(self, chunk: bytes) -> None:
+        if self._file is None:
+            raise RuntimeError(f"{self.name}: a chunk arrived before the response was opened")
         self._file.write(chunk)
         self.digest.update(chunk)
         self.offset += len(chunk)
@@ -381,7 +388,7 @@ class ShardDownload:
 
 
 def write_atomic(path: Path, data: bytes) -> Path:
-    with atomic_writer(path) as f:
+    with atomic_file(path) as f:
         f.write(data)
     return path
 

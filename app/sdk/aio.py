@@ -27,7 +27,8 @@ from hsx.sdk._core import (
     write_atomic,
 )
 from hsx.sdk.errors import error_from_response
-from hsx.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.states import TERMINAL_JOB_STATES
 
 __all__ = ["AsyncHsxClient"]
 
@@ -88,10 +89,10 @@ class AsyncHsxClient:
         chunk_size: int = 1 << 16,
     ) -> Job:
         call = Calls.submit_jsonl(name, layers, idempotency_key)
-        if hasattr(source, "read"):
-            return await self._send(call, content=_achunks(source, chunk_size))
-        with open(source, "rb") as f:
-            return await self._send(call, content=_achunks(f, chunk_size))
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as f:
+                return await self._send(call, content=_achunks(f, chunk_size))
+        return await self._send(call, content=_achunks(source, chunk_size))
 
     async def get_job(self, job: JobRef) -> Job:
         return await self._send(Calls.get_job(job))
@@ -241,7 +242,7 @@ class AsyncHsxClient:
             await self.download_shard(
                 job, shard.name, directory / shard.name, sha256=shard.sha256, size=shard.bytes, on_progress=on_progress
             )
-        if manifest.state in TERMINAL_STATES:
+        if manifest.state in TERMINAL_JOB_STATES:
             write_atomic(directory / "manifest.json", resp.content)
         return manifest
 

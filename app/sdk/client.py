@@ -28,7 +28,8 @@ from hsx.sdk._core import (
     write_atomic,
 )
 from hsx.sdk.errors import HsxError, error_from_response
-from hsx.sdk.models import TERMINAL_STATES, Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.states import TERMINAL_JOB_STATES
 
 __all__ = ["HsxClient", "HsxError"]
 
@@ -92,10 +93,10 @@ class HsxClient:
         """Create a job from a local JSONL file (a path or a binary file object), streamed as
         application/x-ndjson in chunks: the file is never read whole."""
         call = Calls.submit_jsonl(name, layers, idempotency_key)
-        if hasattr(source, "read"):
-            return self._send(call, content=file_chunks(source, chunk_size))
-        with open(source, "rb") as f:
-            return self._send(call, content=file_chunks(f, chunk_size))
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as f:
+                return self._send(call, content=file_chunks(f, chunk_size))
+        return self._send(call, content=file_chunks(source, chunk_size))
 
     def get_job(self, job: JobRef) -> Job:
         return self._send(Calls.get_job(job))
@@ -260,7 +261,7 @@ class HsxClient:
             self.download_shard(
                 job, shard.name, directory / shard.name, sha256=shard.sha256, size=shard.bytes, on_progress=on_progress
             )
-        if manifest.state in TERMINAL_STATES:
+        if manifest.state in TERMINAL_JOB_STATES:
             write_atomic(directory / "manifest.json", resp.content)
         return manifest
 

@@ -19,7 +19,7 @@ def fsync_path(path: Path) -> None:
 
 
 @contextmanager
-def atomic_writer(path: Path) -> Iterator[BinaryIO]:
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """Yield a file to write; on success it replaces `path` whole, on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,6 +37,6 @@ def atomic_writer(path: Path) -> Iterator[BinaryIO]:
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    with atomic_writer(path) as f:
+    with atomic_file(path) as f:
         f.write(json.dumps(obj, indent=1).encode())
         f.write(b"\n")

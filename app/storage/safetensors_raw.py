@@ -1,7 +1,8 @@
 """Read a safetensors file's header to locate each tensor's bytes without decoding them.
 
 Shards are assembled by copying byte ranges straight from dump files, so a tensor is
-never decoded and re-encoded on its way to disk.
+never decoded and re-encoded on its way to disk; verify reads a shard's rows the same way,
+so it needs no tensor library.
 """
 
 from __future__ import annotations
@@ -13,21 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-# safetensors dtype codes and the names the dump protocol and torch use.
-CODE_BY_NAME = {
-    "bfloat16": "BF16",
-    "float16": "F16",
-    "float32": "F32",
-    "float64": "F64",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
-NAME_BY_CODE = {code: name for name, code in CODE_BY_NAME.items()}
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+from hsx.dtypes import DTYPES_BY_CODE
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -49,6 +37,16 @@ class TensorSpan:
     def nbytes(self) -> int:
         return self.end - self.start
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row along the first axis."""
+        return math.prod(self.shape[1:]) * DTYPES_BY_CODE[self.dtype].itemsize
+
+    def read_rows(self, fd: int, start: int, stop: int) -> bytes:
+        """Rows start..stop along the first axis (fewer past the end), from `fd`, this file opened."""
+        stop = max(start, min(stop, self.shape[0] if self.shape else 0))
+        return os.pread(fd, (stop - start) * self.row_bytes, self.start + start * self.row_bytes)
+
     def read(self) -> bytes:
         with open(self.path, "rb") as f:
             f.seek(self.start)
@@ -58,9 +56,8 @@ class TensorSpan:
         return data
 
 
-def read_index(path: Path) -> dict[str, TensorSpan]:
-    """Map tensor name to its byte span, checking the header against the file's size."""
-    path = Path(path)
+def _read_header(path: Path) -> tuple[dict, int, int]:
+    """The header as parsed JSON, where the data starts, and the file's size."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -75,7 +72,13 @@ def read_index(path: Path) -> dict[str, TensorSpan]:
         raise SafetensorsFormatError(f"{path.name}: unreadable header ({exc})") from exc
     if not isinstance(header, dict):
         raise SafetensorsFormatError(f"{path.name}: header is not an object")
-    base = 8 + header_len
+    return header, 8 + header_len, size
+
+
+def read_index(path: Path) -> dict[str, TensorSpan]:
+    """Map tensor name to its byte span, checking the header against the file's size."""
+    path = Path(path)
+    header, base, size = _read_header(path)
     spans: dict[str, TensorSpan] = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -87,12 +90,21 @@ def read_index(path: Path) -> dict[str, TensorSpan]:
         if not isinstance(shape, list) or not all(_whole(d) for d in shape) or not (_whole(begin) and _whole(end)):
             raise SafetensorsFormatError(f"{path.name}: {name} has a malformed shape or offsets")
         shape = tuple(shape)
-        if dtype not in ITEMSIZE:
+        if dtype not in DTYPES_BY_CODE:
             raise SafetensorsFormatError(f"{path.name}: {name} has unsupported dtype {dtype}")
-        if end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0 or base + end > size:
+        if end - begin != math.prod(shape) * DTYPES_BY_CODE[dtype].itemsize or begin < 0 or base + end > size:
             raise SafetensorsFormatError(f"{path.name}: {name} data does not fit its shape or the file")
         spans[name] = TensorSpan(path, dtype, shape, base + begin, base + end)
     return spans
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The header's `__metadata__` (string keys and values; empty when there is none)."""
+    path = Path(path)
+    metadata = _read_header(path)[0].get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsFormatError(f"{path.name}: __metadata__ is not a map of strings")
+    return metadata
 
 
 def _whole(v: object) -> bool:
@@ -107,7 +119,7 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dic
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape in entries:
-        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        nbytes = math.prod(shape) * DTYPES_BY_CODE[dtype].itemsize
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()

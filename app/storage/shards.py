@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from hsx.storage.atomic import atomic_writer
+from hsx.dtypes import DTYPES
+from hsx.storage.atomic import atomic_file
 from hsx.storage.finite import FiniteCheck
-from hsx.storage.safetensors_raw import CODE_BY_NAME, ITEMSIZE, TensorSpan, encode_header
+from hsx.storage.safetensors_raw import TensorSpan, encode_header
 from hsx.storage.sink import BufferedSink, DirectSink, open_sink
 
 SHARD_FORMAT = "hsx-shard/1"
@@ -63,10 +64,10 @@ def shard_name(number: int) -> str:
     return f"shard-{number:06d}.safetensors"
 
 
-class _HashingWriter:
-    """Writes to a sink and hashes. The hash of a chunk runs on a helper thread while this thread
-    checks and writes the same chunk (all of them release the GIL), so a shard costs about the
-    longest of the three, not their sum."""
+class _HashingSink:
+    """A sink in front of a sink: passes each chunk on and hashes it. The hash of a chunk runs on a
+    helper thread while this thread checks and writes the same chunk (all of them release the GIL),
+    so a shard costs about the longest of the three, not their sum."""
 
     def __init__(self, sink: BufferedSink | DirectSink, hasher: ThreadPoolExecutor):
         self.sink = sink
@@ -74,7 +75,7 @@ class _HashingWriter:
         self.hasher = hasher
         self.count = 0
 
-    def write(self, data: bytes | memoryview, check: Callable[[memoryview], bool] | None = None) -> bool:
+    def write(self, data: bytes | memoryview, check: Callable[[bytes | memoryview], bool] | None = None) -> bool:
         """Write `data` unless `check` (run while the chunk is hashed) refuses it; returns whether written."""
         hashed = self.hasher.submit(self.sha.update, data)
         try:
@@ -116,8 +117,8 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
     the first is found), so the caller can write the others again without them."""
     if not samples:
         raise ValueError("a shard needs at least one sample")
-    code = CODE_BY_NAME[dtype]
-    row_bytes = hidden_size * ITEMSIZE[code]
+    code = DTYPES[dtype].code
+    row_bytes = hidden_size * DTYPES[dtype].itemsize
     offsets, total = [], 0
     for s in samples:
         # A source that does not fit its rows would give a shard whose header lies about its data.
@@ -130,7 +131,7 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
                 raise ValueError(f"{s.sample_id}: layer_{layer} has {size} bytes, expected {s.num_tokens * row_bytes}")
         offsets.append(total)
         total += s.num_tokens
-    entries = [("input_ids", "I64", (total,)), ("loss_mask", "I64", (total,))]
+    entries: list[tuple[str, str, tuple[int, ...]]] = [("input_ids", "I64", (total,)), ("loss_mask", "I64", (total,))]
     entries += [(f"layer_{i}", code, (total, hidden_size)) for i in layers]
     metadata = {
         "format": SHARD_FORMAT,
@@ -140,15 +141,16 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
     maps: dict[Path, mmap.mmap] = {}
     try:
         with (
-            atomic_writer(path) as f,
+            atomic_file(path) as f,
             ThreadPoolExecutor(1, thread_name_prefix="hsx-sha256") as hasher,
             closing(open_sink(f)) as sink,
         ):
-            out = _HashingWriter(sink, hasher)
+            out = _HashingSink(sink, hasher)
             out.write(encode_header(entries, metadata))
             out.write(np.concatenate([s.input_ids for s in samples]).astype("<i8").tobytes())
             out.write(np.concatenate([s.loss_mask for s in samples]).astype("<i8").tobytes())
-            finite, bad = FiniteCheck(dtype), {}
+            finite = FiniteCheck(dtype)
+            bad: dict[str, str] = {}
             for layer in layers:
                 for s in samples:
                     if s.sample_id in bad:

@@ -1,4 +1,5 @@
-"""Training-side access to a job's hidden states: a PyTorch Dataset and the layer conventions.
+"""Training-side access to a job's hidden states: a PyTorch Dataset over its shards (the layer
+conventions it follows are hsx.layers').
 
 from hsx.training import HiddenStateDataset        # needs torch (the [training] extra)
 """
@@ -14,7 +15,7 @@ __all__ = ["HiddenStateDataset"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: hsx.training.layers is used without torch; only the Dataset needs it.
+    # Lazy: torch is loaded when the Dataset is asked for, not when the package is imported.
     if name == "HiddenStateDataset":
         from hsx.training.dataset import HiddenStateDataset
 

@@ -17,17 +17,20 @@ from __future__ import annotations
 import os
 
 import torch
-from hsx.training.layers import select_layers
-from hsx.training.reader import TORCH_DTYPES, Job, ShardReader, layer_key, load_job
+from hsx.dtypes import DTYPES
+from hsx.layers import layer_key, select_layers
+from hsx.training.reader import ShardReader, StoredJob, load_job
 from torch.utils.data import Dataset
+
+FLOAT_DTYPES = sorted(name for name, d in DTYPES.items() if d.is_float)
 
 
 def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; one of {sorted(TORCH_DTYPES)}")
-    return TORCH_DTYPES[dtype]
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; one of {FLOAT_DTYPES}")
+    return DTYPES[dtype].torch
 
 
 class HiddenStateDataset(Dataset):
@@ -48,7 +51,7 @@ class HiddenStateDataset(Dataset):
         dtype: torch.dtype | str | None = None,
         max_open_shards: int = 8,
     ):
-        self.job: Job = load_job(manifest_or_job_dir)
+        self.job: StoredJob = load_job(manifest_or_job_dir)
         self.aux_layers, self.last_layer = select_layers(self.job.layers, aux_layers, last_layer)
         self.dtype = _torch_dtype(dtype)
         self.hidden_size = self.job.hidden_size
@@ -61,12 +64,12 @@ class HiddenStateDataset(Dataset):
 
     @property
     def sample_ids(self) -> list[str]:
-        return [e["id"] for e in self._entries]
+        return [e.id for e in self._entries]
 
     @property
     def lengths(self) -> list[int]:
         """Token count of every sample, in order (for length-grouped batching)."""
-        return [int(e["num_tokens"]) for e in self._entries]
+        return [e.num_tokens for e in self._entries]
 
     def __getitem__(self, index: int) -> dict:
         n = len(self._entries)
@@ -84,5 +87,5 @@ class HiddenStateDataset(Dataset):
             "loss_mask": rows["loss_mask"].to(torch.int64),
             "aux_hidden_state": aux_hidden,
             "hidden_state": hidden,
-            "id": entry["id"],
+            "id": entry.id,
         }

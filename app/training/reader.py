@@ -1,94 +1,59 @@
 """A job's samples read straight from its shards: one sample's rows at a time, never a shard whole.
 
-`load_job` reads manifest.json (given a job folder or the manifest's own path); `ShardReader`
-slices sample rows out of the shards with safetensors' memory-mapped `get_slice`, keeping a few
-opened shards in a small cache. The cache belongs to one process: after a fork (DataLoader
+`load_job` reads manifest.json (given a job folder or the manifest's own path) into a `StoredJob`;
+`ShardReader` slices sample rows out of the shards with safetensors' memory-mapped `get_slice`, keeping
+a few opened shards in a small cache. The cache belongs to one process: after a fork (DataLoader
 workers) or a pickle (spawned workers) it starts empty, so no worker shares another's handles.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hsx.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from hsx.manifest import HiddenStates, Manifest, ManifestSample, load_manifest, locate
 from safetensors import safe_open
 
-TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
 
-
-def layer_key(layer: int) -> str:
-    return f"layer_{layer}"
-
-
-def resolve_source(source: str | os.PathLike) -> tuple[Path, Path]:
-    """(job folder, manifest path) for a job folder or the path of its manifest.json."""
-    path = Path(source)
-    if path.is_dir():
-        return path, path / MANIFEST_NAME
-    return path.parent, path
-
-
-@dataclass
-class Job:
-    """A finished (or partly finished) job as its manifest describes it."""
+@dataclass(frozen=True)
+class StoredJob:
+    """A job's files on disk: its folder, its manifest, and the hidden states its shards hold."""
 
     job_dir: Path
     manifest_path: Path
-    manifest: dict
+    manifest: Manifest
+    hidden_states: HiddenStates
 
     @property
     def job_id(self) -> str:
-        return str(self.manifest.get("job_id") or self.job_dir.name)
+        return self.manifest.job_id
 
     @property
     def layers(self) -> list[int]:
-        return [int(i) for i in self.manifest["layers"]]
+        return self.hidden_states.layers
 
     @property
     def hidden_size(self) -> int:
-        return int(self.manifest["hidden_size"])
+        return self.hidden_states.hidden_size
 
     @property
-    def dtype_name(self) -> str:
-        return str(self.manifest["dtype"])
-
-    @property
-    def samples(self) -> list[dict]:
-        return self.manifest["samples"]
+    def samples(self) -> list[ManifestSample]:
+        return self.manifest.samples
 
     @property
     def num_hidden_layers(self) -> int | None:
-        value = (self.manifest.get("model") or {}).get("num_hidden_layers")
+        value = (self.manifest.model or {}).get("num_hidden_layers")
         return int(value) if value is not None else None
 
 
-def load_job(source: str | os.PathLike) -> Job:
-    """Read and sanity-check a job's manifest; ValueError says what is wrong with it."""
-    job_dir, manifest_path = resolve_source(source)
-    if not manifest_path.is_file():
-        raise ValueError(f"{manifest_path}: no manifest.json (is the job finished?)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{manifest_path}: unreadable manifest ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{manifest_path}: not an {MANIFEST_FORMAT} manifest")
-    missing = [k for k in ("layers", "hidden_size", "dtype", "shards", "samples") if manifest.get(k) is None]
-    if missing:
-        raise ValueError(f"{manifest_path}: manifest lacks {', '.join(missing)}")
-    if manifest["dtype"] not in TORCH_DTYPES:
-        raise ValueError(f"{manifest_path}: unsupported hidden-state dtype {manifest['dtype']!r}")
-    return Job(job_dir, manifest_path, manifest)
+def load_job(source: str | os.PathLike) -> StoredJob:
+    """Read and check a job's manifest; ValueError says what is wrong with it."""
+    job_dir, manifest_path = locate(source)
+    manifest = load_manifest(manifest_path, readable=True)
+    return StoredJob(job_dir, manifest_path, manifest, manifest.hidden_states())
 
 
 class ShardReader:
@@ -99,7 +64,7 @@ class ShardReader:
             raise ValueError("max_open must be at least 1")
         self.job_dir = Path(job_dir)
         self.max_open = max_open
-        self._pid = os.getpid()
+        self._pid: int | None = os.getpid()
         self._handles: OrderedDict[str, object] = OrderedDict()
 
     def __getstate__(self) -> dict:
@@ -129,19 +94,15 @@ class ShardReader:
             self._handles.move_to_end(shard)
         return f
 
-    def rows(self, shard: str, key: str, start: int, stop: int) -> torch.Tensor:
-        return self.handle(shard).get_slice(key)[start:stop]
-
-    def sample(self, entry: dict, keys: list[str]) -> dict[str, torch.Tensor]:
-        """The rows of `keys` that belong to one manifest sample entry."""
-        start = int(entry["offset"])
-        stop = start + int(entry["num_tokens"])
-        f = self.handle(entry["shard"])
+    def sample(self, entry: ManifestSample, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The rows of `keys` that belong to one sample of the manifest."""
+        start, stop = entry.offset, entry.offset + entry.num_tokens
+        f = self.handle(entry.shard)
         out = {}
         for key in keys:
             t = f.get_slice(key)[start:stop]
             if t.shape[0] != stop - start:
-                raise ValueError(f"{entry['shard']}: {key} ends before sample {entry['id']!r} does")
+                raise ValueError(f"{entry.shard}: {key} ends before sample {entry.id!r} does")
             out[key] = t
         return out
 

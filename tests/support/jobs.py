@@ -1,7 +1,7 @@
 """Real job folders built in a test: shards written by hsx's own shard writer plus a manifest.
 
 `make_job` writes samples (random, or given tensors) into shards with `hsx.storage.shards.write_shard`
-and a manifest shaped like `hsx.manifests.manifest_document`, so the Dataset, the exports and verify
+and an `hsx.manifest.Manifest` written by `write_manifest`, so the Dataset, the exports and verify
 read exactly what the service writes. `llama_hidden_states` runs a tiny random Llama to get real
 hidden states in hsx's layer numbering.
 """
@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hsx.storage.atomic import write_json_atomic
-from hsx.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from hsx.dtypes import DTYPES
+from hsx.manifest import MANIFEST_NAME, Manifest, ManifestSample, ManifestShard, write_manifest
+from hsx.states import JobState
 from hsx.storage.safetensors_raw import read_index
 from hsx.storage.shards import ShardSample, shard_name, write_shard
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -33,7 +32,7 @@ class Sample:
 @dataclass
 class JobFixture:
     job_dir: Path
-    manifest: dict
+    manifest: Manifest
     samples: list[Sample]
 
     @property
@@ -44,22 +43,21 @@ class JobFixture:
         return next(s for s in self.samples if s.id == sample_id)
 
     def rewrite_manifest(self) -> None:
-        write_json_atomic(self.manifest_path, self.manifest)
+        write_manifest(self.job_dir, self.manifest)
 
     def set_value(self, sample_id: str, layer: int, row: int, col: int, value: float) -> None:
         """Change one stored value in place and record the shard's new hash: a value that was
         already wrong when its shard was written (the shard writer itself refuses NaN and Inf)."""
-        entry = next(e for e in self.manifest["samples"] if e["id"] == sample_id)
-        path = self.job_dir / entry["shard"]
+        entry = self.manifest.sample(sample_id)
+        path = self.job_dir / entry.shard
         span = read_index(path)[f"layer_{layer}"]
         width = span.nbytes // span.shape[0]
         item = width // span.shape[1]
-        data = torch.tensor([value], dtype=DTYPES[self.manifest["dtype"]]).view(torch.uint8).numpy().tobytes()
+        data = torch.tensor([value], dtype=DTYPES[str(self.manifest.dtype)].torch).view(torch.uint8).numpy().tobytes()
         with open(path, "r+b") as f:
-            f.seek(span.start + (entry["offset"] + row) * width + col * item)
+            f.seek(span.start + (entry.offset + row) * width + col * item)
             f.write(data)
-        shard = next(sh for sh in self.manifest["shards"] if sh["name"] == entry["shard"])
-        shard["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        self.manifest.shard(entry.shard).sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
         self.rewrite_manifest()
 
 
@@ -89,7 +87,7 @@ def random_samples(
                 torch.randint(0, vocab, (t,), generator=g, dtype=torch.int64),
                 torch.tensor([(k + j) % 3 != 0 for j in range(t)], dtype=torch.int64),
                 # distinct offsets per layer make a layer mix-up visible in any comparison
-                {i: (torch.randn(t, hidden, generator=g) + 10 * i).to(DTYPES[dtype]) for i in layers},
+                {i: (torch.randn(t, hidden, generator=g) + 10 * i).to(DTYPES[dtype].torch) for i in layers},
             )
         )
     return out
@@ -135,38 +133,31 @@ def make_job(
             hidden,
         )
         shards.append(
-            {
-                "name": info.name,
-                "bytes": info.bytes,
-                "sha256": info.sha256,
-                "num_samples": info.num_samples,
-                "num_tokens": info.num_tokens,
-            }
+            ManifestShard(
+                name=info.name,
+                bytes=info.bytes,
+                sha256=info.sha256,
+                num_samples=info.num_samples,
+                num_tokens=info.num_tokens,
+            )
         )
         entries += [
-            {"id": s.id, "shard": info.name, "offset": off, "num_tokens": int(s.input_ids.shape[0])}
+            ManifestSample(id=s.id, shard=info.name, offset=off, num_tokens=int(s.input_ids.shape[0]))
             for s, off in zip(group, info.offsets)
         ]
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "job_id": job_id,
-        "name": "test",
-        "state": "succeeded",
-        "model": {"model_path": "tiny", "num_hidden_layers": num_hidden_layers, "vocab_size": vocab},
-        "layers": layers,
-        "hidden_size": hidden,
-        "dtype": dtype,
-        "shard_layout": {
-            "input_ids": "int64 [T]",
-            "loss_mask": "int64 [T]",
-            "layer_<i>": "dtype [T, hidden_size]",
-            "sample_rows": "offset .. offset + num_tokens",
-        },
-        "num_samples": len(samples),
-        "num_stored": len(samples),
-        "shards": shards,
-        "samples": entries,
-    }
+    manifest = Manifest(
+        job_id=job_id,
+        name="test",
+        state=JobState.SUCCEEDED,
+        model={"model_path": "tiny", "num_hidden_layers": num_hidden_layers, "vocab_size": vocab},
+        layers=layers,
+        hidden_size=hidden,
+        dtype=dtype,
+        num_samples=len(samples),
+        num_stored=len(samples),
+        shards=shards,
+        samples=entries,
+    )
     fixture = JobFixture(job_dir, manifest, samples)
     fixture.rewrite_manifest()
     return fixture

@@ -30,13 +30,6 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def layers_arg(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layer numbers such as 2,4,5,8, not {text!r}") from None
-
-
 def run(args: argparse.Namespace, body: Callable[[HsxClient], int | None]) -> int:
     """Open the client, run the command's body, and turn failures into stderr messages and exit codes."""
     import httpx

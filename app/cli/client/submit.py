@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, follow, layers_arg, outcome, print_json, run
+from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, follow, outcome, print_json, run
+from hsx.layers import layers_arg
 
 NAME = "submit"
 HELP = "create a job from a JSONL file (streamed) or a file under the service's input root"

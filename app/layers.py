@@ -1,4 +1,4 @@
-"""Which captured layers feed an EAGLE-3 drafter, in hsx's layer numbering.
+"""Layer numbers: hsx's numbering, layer lists as users write them, and EAGLE-3's choice of layers.
 
 hsx numbers layers as transformers' `output_hidden_states` does: 0 is the embedding output, k the
 output of decoder layer k, L (= num_hidden_layers) the last layer's output after the final norm.
@@ -9,13 +9,48 @@ numbering is [2, L//2, L - 3]; with the post-norm final layer the capture is [2,
 
 from __future__ import annotations
 
+import argparse
+
+
+def layer_key(layer: int) -> str:
+    """The name of a layer's tensor in dumps and shards."""
+    return f"layer_{layer}"
+
+
+def parse_layers(text: str) -> list[int]:
+    """Layer numbers written as "2,4,5,8" (in the order given; blanks around them are ignored)."""
+    try:
+        layers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated layer numbers such as 2,4,5,8, not {text!r}") from None
+    if not layers:
+        raise ValueError("no layers given")
+    return layers
+
+
+def layers_arg(text: str) -> list[int]:
+    """`parse_layers` as an argparse type: a bad list is a usage error naming the flag."""
+    try:
+        return parse_layers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def check_layers(layers: list[int]) -> list[int]:
+    """The layers a job requires: what a capture lists, each once, in ascending order."""
+    if not layers or layers != sorted(set(layers)) or layers[0] < 0:
+        raise ValueError("layers must be a non-empty list of non-negative, unique, ascending layer indices")
+    return layers
+
 
 def eagle3_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
 def eagle3_capture_layers(num_layers: int) -> list[int]:
-    return eagle3_aux_layers(num_layers) + [num_layers]
+    """EAGLE-3's aux layers and the post-norm last layer, ascending; a model too small to have four
+    distinct ones gets those it has."""
+    return sorted({i for i in eagle3_aux_layers(num_layers) + [num_layers] if 0 <= i <= num_layers})
 
 
 def select_layers(

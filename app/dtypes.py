@@ -1,0 +1,54 @@
+"""The tensor dtypes hsx reads and writes, by the names the dump protocol, manifests and torch use.
+
+Each entry says how the dtype appears in a safetensors header, how many bytes one value takes, and
+how numpy reads its bytes: numpy has no bfloat16, so bfloat16 values are read as their uint16 bit
+patterns (enough to move them and to test them for NaN and Inf; see hsx.storage.finite). The table
+imports neither numpy nor torch: the service and the SDK use it without torch, and the torch dtype
+is looked up only when asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # "bfloat16", as torch, the dump protocol and manifests spell it
+    code: str  # safetensors' header code, "BF16"
+    itemsize: int
+    numpy: str  # the numpy dtype its bytes are read as (np.dtype accepts it)
+    exponent_bits: int = 0  # float formats: the width of the exponent field
+
+    @property
+    def is_float(self) -> bool:
+        return self.exponent_bits > 0
+
+    @property
+    def torch(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.name)
+
+
+_ALL = (
+    DType("bfloat16", "BF16", 2, "<u2", exponent_bits=8),
+    DType("float16", "F16", 2, "<f2", exponent_bits=5),
+    DType("float32", "F32", 4, "<f4", exponent_bits=8),
+    DType("float64", "F64", 8, "<f8", exponent_bits=11),
+    DType("int64", "I64", 8, "<i8"),
+    DType("int32", "I32", 4, "<i4"),
+    DType("int16", "I16", 2, "<i2"),
+    DType("int8", "I8", 1, "i1"),
+    DType("uint8", "U8", 1, "u1"),
+    DType("bool", "BOOL", 1, "?"),
+)
+DTYPES: dict[str, DType] = {d.name: d for d in _ALL}
+DTYPES_BY_CODE: dict[str, DType] = {d.code: d for d in _ALL}
+
+# What model servers dump hidden states in, and so what a shard's layers hold.
+HIDDEN_STATE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
