@@ -6,8 +6,7 @@ from pathlib import Path
 
 from hsx.db import repository as repo
 from hsx.db.models import JobRow
-from hsx.storage.atomic import write_json_atomic
-from hsx.storage.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from hsx.storage.manifest import MANIFEST_FORMAT
 from sqlalchemy.orm import Session
 
 
@@ -49,14 +48,3 @@ def manifest_document(session: Session, job: JobRow, state: str | None = None) -
             for r in repo.iter_stored_samples(session, job.id)
         ],
     }
-
-
-def finish_job(session: Session, job_id: str, output_root: Path) -> str | None:
-    """End a job whose samples are all settled: manifest.json first, then the terminal state, so
-    a finished job always has its manifest. Returns the state it ended in, or None."""
-    job = repo.get_job(session, job_id)
-    final = None if job is None else repo.final_state(job)
-    if final is None:
-        return None
-    write_json_atomic(job_dir(output_root, job.id) / MANIFEST_NAME, manifest_document(session, job, final))
-    return final if repo.finish_job_if_done(session, job_id) else None

@@ -16,7 +16,7 @@ from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.db.models import JobRow
-from hsx.scheduler.writer import Writer
+from hsx.extraction import Writer
 from hsx.states import SampleState
 from sqlalchemy import func, select, text
 

@@ -33,7 +33,8 @@ from hsx.api.schemas import (
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow
-from hsx.manifests import finish_job, job_dir, manifest_document
+from hsx.extraction.finishing import finish_job
+from hsx.manifests import job_dir, manifest_document
 from hsx.states import TERMINAL_JOB_STATES
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
