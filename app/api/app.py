@@ -15,8 +15,9 @@ from hsx.api.schemas import Health, JobCreate
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
-from hsx.db.models import SAMPLE_STATES, JobRow
-from hsx.scheduler.writer import Writer
+from hsx.db.models import JobRow
+from hsx.extraction import Writer
+from hsx.states import SampleState
 from sqlalchemy import func, select, text
 
 log = logging.getLogger("hsx.api")
@@ -93,10 +94,10 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
         for state, n in session.execute(select(JobRow.state, func.count()).group_by(JobRow.state)).all():
             lines.append(f'hsx_jobs{{state="{state}"}} {n}')
         sums = session.execute(
-            select(*[func.coalesce(func.sum(getattr(JobRow, f"n_{s}")), 0) for s in SAMPLE_STATES])
+            select(*[func.coalesce(func.sum(getattr(JobRow, f"n_{s}")), 0) for s in SampleState])
         ).one()
         lines += ["# HELP hsx_samples Samples by state, over all jobs.", "# TYPE hsx_samples gauge"]
-        lines += [f'hsx_samples{{state="{s}"}} {n}' for s, n in zip(SAMPLE_STATES, sums)]
+        lines += [f'hsx_samples{{state="{s}"}} {n}' for s, n in zip(SampleState, sums)]
         if app.state.writer is not None:
             w = app.state.writer
             lines += [

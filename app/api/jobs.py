@@ -31,10 +31,11 @@ from hsx.api.schemas import (
 )
 from hsx.config import Settings
 from hsx.db import repository as repo
-from hsx.db.models import TERMINAL_JOB_STATES, JobRow, SampleRow
+from hsx.db.models import JobRow, SampleRow
+from hsx.extraction.finishing import finish_job
 from hsx.layers import check_layers, parse_layers
 from hsx.manifest import build_manifest, job_dir
-from hsx.manifests import finish_job
+from hsx.states import TERMINAL_JOB_STATES
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker

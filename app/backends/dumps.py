@@ -1,7 +1,7 @@
 """The dump root: clear it, find our completed dump, move it out, validate it.
 
 Every check in shared "what a reader must check" lives here but one: that every value is finite,
-which the shard writer checks as it copies the values (hsx.storage.shards). Anything that fails
+which writing the shard checks as it copies the values (hsx.storage.shards). Anything that fails
 a check is a DumpRejected with a short machine-readable code and a human reason, never a stored
 sample.
 """
@@ -27,7 +27,7 @@ REQUIRED_META = ("num_tokens", "layers", "hidden_size", "dtype")
 
 @dataclass(frozen=True)
 class LoadedTensor:
-    """A layer read from an older writer's `.pt` file: its safetensors dtype code, shape and raw bytes."""
+    """A layer read from the `.pt` file of an older server's dump: its safetensors dtype code, shape and raw bytes."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -204,7 +204,7 @@ def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | LoadedTensor]:
                 raise DumpRejected("missing_layer", f"layer_{i} is not in hidden_states.safetensors")
             out[i] = index[f"layer_{i}"]
         return out
-    # Older writers: one torch.save'd tensor per layer; never unpickle anything but tensors.
+    # Older servers dump one torch.save'd tensor per layer; never unpickle anything but tensors.
     import torch  # only these dumps need it; the service otherwise runs without loading torch
 
     out = {}
@@ -234,7 +234,7 @@ def validate(
 ) -> Dump:
     """Check shapes, dtypes and cache use; return the dump with byte sources.
 
-    Reading every value for NaN and Inf is left to the shard writer, which reads each byte
+    Reading every value for NaN and Inf is left to write_shard, which reads each byte
     anyway (hsx.storage.shards): a check here would read the whole dump a second time on the
     request path, while the model server waits for our next request."""
     check_meta_fields(d.name, meta)
@@ -262,7 +262,7 @@ def validate(
 
 
 def _raw(src: TensorSpan | LoadedTensor) -> TensorSpan | bytes:
-    """What the shard writer copies: a span of the dump's file, or an old dump's loaded bytes."""
+    """What write_shard copies: a span of the dump's file, or an old dump's loaded bytes."""
     return src if isinstance(src, TensorSpan) else src.data
 
 

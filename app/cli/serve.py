@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     from hsx.api.app import create_app
     from hsx.backends.dumps import DumpRootBusy
     from hsx.db.engine import make_engine, session_factory
-    from hsx.scheduler.writer import Writer
+    from hsx.extraction import Writer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)

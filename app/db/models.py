@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from hsx.states import JobState, SampleState
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -26,12 +27,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # SQLite only auto-increments an INTEGER PRIMARY KEY; Postgres wants 64-bit keys for big jobs.
 BigPk = BigInteger().with_variant(Integer(), "sqlite")
 
-JOB_STATES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
-ACTIVE_JOB_STATES = ("queued", "running", "cancelling")
-TERMINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
-SAMPLE_STATES = ("queued", "running", "staged", "succeeded", "failed", "cancelled")
-TERMINAL_SAMPLE_STATES = ("succeeded", "failed", "cancelled")
-
 
 class Base(DeclarativeBase):
     pass
@@ -42,7 +37,7 @@ class JobRow(Base):
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str | None] = mapped_column(String(200))
-    state: Mapped[str] = mapped_column(String(16), default="queued")
+    state: Mapped[str] = mapped_column(String(16), default=JobState.QUEUED)
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -81,7 +76,7 @@ class SampleRow(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     idx: Mapped[int] = mapped_column(Integer)
     sample_id: Mapped[str] = mapped_column(String(200))
-    state: Mapped[str] = mapped_column(String(16), default="queued")
+    state: Mapped[str] = mapped_column(String(16), default=SampleState.QUEUED)
     # Token ids as little-endian int32 bytes; loss mask as one byte per token (NULL: all ones).
     input_ids: Mapped[bytes] = mapped_column(LargeBinary)
     loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)

@@ -11,14 +11,24 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, cast
 
-from hsx.db.models import TERMINAL_JOB_STATES, AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
-from sqlalchemy import case, delete, exists, func, or_, select, update
+from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
+from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
+from sqlalchemy import CursorResult, Result, case, delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
+
+if TYPE_CHECKING:
+    import psycopg
 
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def _rowcount(result: Result[Any]) -> int:
+    """Rows an UPDATE or DELETE matched (Session.execute types every result as a plain Result)."""
+    return cast(CursorResult[Any], result).rowcount
 
 
 def new_job_id() -> str:
@@ -88,7 +98,7 @@ class JobBuilder:
         self.job = JobRow(
             id=new_job_id(),
             name=name,
-            state="queued",
+            state=JobState.QUEUED,
             created_at=utcnow(),
             layers=layers,
             idempotency_key=idempotency_key,
@@ -121,12 +131,14 @@ class JobBuilder:
         now = updated_at(self.job.created_at) if updated_at else self.job.created_at
         job_id, first = self.job.id, self.count
         rows = [
-            (job_id, first + i, s.sample_id, "queued", s.input_ids, s.loss_mask, s.num_tokens, 0, 0, now)
+            (job_id, first + i, s.sample_id, SampleState.QUEUED, s.input_ids, s.loss_mask, s.num_tokens, 0, 0, now)
             for i, s in enumerate(samples)
         ]
         columns = ", ".join(_SAMPLE_INSERT_COLUMNS)
         if conn.dialect.name == "postgresql":
-            with conn.connection.dbapi_connection.cursor() as cursor:
+            # COPY is psycopg's, not the DB-API's; make_engine always picks psycopg for Postgres.
+            driver = cast("psycopg.Connection[Any]", conn.connection.driver_connection)
+            with driver.cursor() as cursor:
                 with cursor.copy(f"COPY samples ({columns}) FROM STDIN") as copy:
                     for row in rows:
                         copy.write_row(row)
@@ -163,10 +175,10 @@ def pending_output_bytes(session: Session) -> int:
     """Bytes the active jobs have still to write, from their estimates and progress."""
     rows = session.execute(
         select(JobRow.estimated_bytes, JobRow.tokens_total, JobRow.tokens_done).where(
-            JobRow.state.in_(("queued", "running")), JobRow.estimated_bytes.is_not(None)
+            JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), JobRow.estimated_bytes.is_not(None)
         )
     ).all()
-    return sum(int(b * (t - d) / t) for b, t, d in rows if t)
+    return sum(int(estimated * (total - done) / total) for estimated, total, done in rows if estimated and total)
 
 
 def job_by_idempotency_key(session: Session, key: str) -> JobRow | None:
@@ -192,11 +204,11 @@ def cancel_job(session: Session, job_id: str) -> JobRow | None:
     """Queued samples are cancelled now; running or staged ones finish and are stored.
     Returns None when the job is already finished (nothing to cancel)."""
     job = _lock_job(session, job_id)
-    if job is None or job.state not in ("queued", "running"):
+    if job is None or job.state not in (JobState.QUEUED, JobState.RUNNING):
         return None
-    job.state, job.cancel_requested_at = "cancelling", utcnow()
+    job.state, job.cancel_requested_at = JobState.CANCELLING, utcnow()
     session.flush()
-    _transition(session, job_id, ALL, "queued", "cancelled", {"writer": None})
+    _transition(session, job_id, ALL, SampleState.QUEUED, SampleState.CANCELLED, {"writer": None})
     session.refresh(job)
     return job
 
@@ -204,13 +216,17 @@ def cancel_job(session: Session, job_id: str) -> JobRow | None:
 def retry_failed(session: Session, job_id: str) -> int | None:
     """Queue the job's failed samples again with a fresh attempt budget. None: not allowed now."""
     job = _lock_job(session, job_id)
-    if job is None or job.state in ("cancelling", "cancelled") or job.n_failed == 0:
+    if job is None or job.state in (JobState.CANCELLING, JobState.CANCELLED) or job.n_failed == 0:
         return None
-    moved = _transition(session, job_id, ALL, "failed", "queued", {"attempts": 0, "writer": None})
+    moved = _transition(session, job_id, ALL, SampleState.FAILED, SampleState.QUEUED, {"attempts": 0, "writer": None})
     session.execute(
         update(JobRow)
         .where(JobRow.id == job_id)
-        .values(state=case((JobRow.started_at.is_(None), "queued"), else_="running"), finished_at=None, error=None)
+        .values(
+            state=case((JobRow.started_at.is_(None), JobState.QUEUED), else_=JobState.RUNNING),
+            finished_at=None,
+            error=None,
+        )
     )
     return moved
 
@@ -240,46 +256,56 @@ def set_job_model_info(session: Session, job_id: str, info: dict) -> dict:
     return session.execute(select(JobRow.model_info).where(JobRow.id == job_id)).scalar_one()
 
 
-def final_state(job: JobRow) -> str | None:
+def final_state(job: JobRow) -> JobState | None:
     """The state a job ends in once nothing is queued, running or staged; None before that."""
-    if job.state not in ("queued", "running", "cancelling") or job.n_queued or job.n_running or job.n_staged:
+    if job.state not in ACTIVE_JOB_STATES or job.n_queued or job.n_running or job.n_staged:
         return None
-    if job.state == "cancelling":
-        return "cancelled"
-    return "failed" if job.n_failed else "succeeded"
+    if job.state == JobState.CANCELLING:
+        return JobState.CANCELLED
+    return JobState.FAILED if job.n_failed else JobState.SUCCEEDED
 
 
 def finish_job_if_done(session: Session, job_id: str) -> bool:
     """Move a job to its terminal state (final_state's rule) once no sample is queued, running or staged."""
     job = _lock_job(session, job_id)
-    state = None if job is None else final_state(job)
+    if job is None:
+        return False
+    state = final_state(job)
     if state is None:
         return False
     result = session.execute(
         update(JobRow)
-        .where(JobRow.id == job_id, JobRow.state == job.state, JobRow.n_queued == 0, JobRow.n_running == 0, JobRow.n_staged == 0)
+        .where(
+            JobRow.id == job_id,
+            JobRow.state == job.state,
+            JobRow.n_queued == 0,
+            JobRow.n_running == 0,
+            JobRow.n_staged == 0,
+        )
         .values(state=state, finished_at=utcnow())
     )
-    return result.rowcount == 1
+    return _rowcount(result) == 1
 
 
 def fail_job(session: Session, job_id: str, reason: str) -> None:
     """A job that cannot run at all (e.g. server settings that break dumps): fail what is queued."""
     session.execute(update(JobRow).where(JobRow.id == job_id).values(error=reason))
-    _transition(session, job_id, ALL, "queued", "failed", {"last_error": reason})
+    _transition(session, job_id, ALL, SampleState.QUEUED, SampleState.FAILED, {"last_error": reason})
 
 
 # --- sample transitions -------------------------------------------------------------------
 
 
 # Token counters that follow a sample's tokens in and out of a state.
-TOKEN_COUNTERS = {"staged": JobRow.tokens_staged, "succeeded": JobRow.tokens_done}
+TOKEN_COUNTERS = {SampleState.STAGED: JobRow.tokens_staged, SampleState.SUCCEEDED: JobRow.tokens_done}
 
 
 ALL = None  # _transition's `pks` for "every sample of the job in that state"
 
 
-def _transition(session: Session, job_id: str, pks: list[int] | None, src: str, dst: str, values: dict) -> int:
+def _transition(
+    session: Session, job_id: str, pks: list[int] | None, src: SampleState, dst: SampleState, values: dict
+) -> int:
     """Move the samples (`pks`, or ALL of the job's) that are still in `src` to `dst`; keep the
     job's counters in step.
 
@@ -305,8 +331,8 @@ def _transition(session: Session, job_id: str, pks: list[int] | None, src: str, 
                 .values(stamp)
                 .execution_options(synchronize_session=False)
             )
-            if result.rowcount != rc:
-                raise RuntimeError(f"job {job_id}: {result.rowcount} samples left {src}, {rc} were counted")
+            if _rowcount(result) != rc:
+                raise RuntimeError(f"job {job_id}: {_rowcount(result)} samples left {src}, {rc} were counted")
     else:
         moved = (
             session.execute(
@@ -343,26 +369,35 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
     """
     # The queued rows themselves, not the n_queued counter, say whether a job has work: a job can
     # never be picked for nothing while another waits.
-    has_queued = exists().where(SampleRow.job_id == JobRow.id, SampleRow.state == "queued")
+    has_queued = exists().where(SampleRow.job_id == JobRow.id, SampleRow.state == SampleState.QUEUED)
     job_id = session.execute(
         select(JobRow.id)
-        .where(JobRow.state.in_(("queued", "running")), has_queued)
+        .where(JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), has_queued)
         .order_by(JobRow.id)
         .limit(1)
         .with_for_update(of=JobRow)
     ).scalar()
     if job_id is None:
         return None
-    pick = select(SampleRow.pk).where(SampleRow.job_id == job_id, SampleRow.state == "queued").order_by(SampleRow.idx).limit(1)
+    pick = (
+        select(SampleRow.pk)
+        .where(SampleRow.job_id == job_id, SampleRow.state == SampleState.QUEUED)
+        .order_by(SampleRow.idx)
+        .limit(1)
+    )
     if session.get_bind().dialect.name == "postgresql":
         pick = pick.with_for_update(skip_locked=True)
     other = aliased(SampleRow)
-    busy = exists().where(other.state == "running", other.writer == writer)
+    busy = exists().where(other.state == SampleState.RUNNING, other.writer == writer)
     row = session.execute(
         update(SampleRow)
-        .where(SampleRow.pk == pick.scalar_subquery(), SampleRow.state == "queued", ~busy)
+        .where(SampleRow.pk == pick.scalar_subquery(), SampleRow.state == SampleState.QUEUED, ~busy)
         .values(
-            state="running", writer=writer, attempts=SampleRow.attempts + 1, tries=SampleRow.tries + 1, updated_at=utcnow()
+            state=SampleState.RUNNING,
+            writer=writer,
+            attempts=SampleRow.attempts + 1,
+            tries=SampleRow.tries + 1,
+            updated_at=utcnow(),
         )
         .returning(
             SampleRow.pk,
@@ -387,7 +422,9 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
         .returning(JobRow.n_queued)
     ).scalar_one()
     session.execute(
-        update(JobRow).where(JobRow.id == row.job_id, JobRow.state == "queued").values(state="running", started_at=now)
+        update(JobRow)
+        .where(JobRow.id == row.job_id, JobRow.state == JobState.QUEUED)
+        .values(state=JobState.RUNNING, started_at=now)
     )
     attempt = AttemptRow(sample_pk=row.pk, number=row.tries, writer=writer, started_at=now)
     session.add(attempt)
@@ -425,7 +462,7 @@ def mark_staged(
     writer: str,
     staged_path: str,
     observed_tokens: int,
-    dump_key: str,
+    dump_key: str | None,
     boot_id: str | None,
 ) -> bool:
     """The dump is validated and out of the root. `writer` is the dump root's writer (not the
@@ -436,18 +473,18 @@ def mark_staged(
             session,
             c.job_id,
             [c.sample_pk],
-            "running",
-            "staged",
+            SampleState.RUNNING,
+            SampleState.STAGED,
             {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None, "writer": writer},
         )
         == 1
     )
 
 
-def _requeue_state(session: Session, job_id: str) -> str:
+def _requeue_state(session: Session, job_id: str) -> SampleState:
     """Where a sample goes for another attempt: the queue, unless its job is being cancelled."""
     job = _lock_job(session, job_id)
-    return "cancelled" if job is not None and job.state == "cancelling" else "queued"
+    return SampleState.CANCELLED if job is not None and job.state == JobState.CANCELLING else SampleState.QUEUED
 
 
 def record_failed_attempt(
@@ -459,7 +496,7 @@ def record_failed_attempt(
     observed_tokens: int | None = None,
     dump_key: str | None = None,
     boot_id: str | None = None,
-) -> str:
+) -> SampleState:
     """Close a failed attempt; queue the sample again, or fail it once its budget is spent."""
     final = c.attempt >= max_attempts
     _close_attempt(
@@ -471,11 +508,11 @@ def record_failed_attempt(
         dump_key=dump_key,
         boot_id=boot_id,
     )
-    dst = "failed" if final else _requeue_state(session, c.job_id)
+    dst = SampleState.FAILED if final else _requeue_state(session, c.job_id)
     values = {"last_error": reason, "observed_tokens": observed_tokens}
     if not final:
         values["writer"] = None
-    _transition(session, c.job_id, [c.sample_pk], "running", dst, values)
+    _transition(session, c.job_id, [c.sample_pk], SampleState.RUNNING, dst, values)
     return dst
 
 
@@ -486,7 +523,7 @@ def release_interrupted(session: Session, c: Claimed, *, reason: str) -> None:
         session,
         c.job_id,
         [c.sample_pk],
-        "running",
+        SampleState.RUNNING,
         _requeue_state(session, c.job_id),
         {"writer": None, "attempts": SampleRow.attempts - 1, "last_error": reason},
     )
@@ -502,7 +539,7 @@ def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, i
     place only if their staged files survived. Returns (requeued, kept staged)."""
     requeued = kept = 0
     running = session.execute(
-        select(SampleRow.pk, SampleRow.job_id).where(_writer_or_slots(writer), SampleRow.state == "running")
+        select(SampleRow.pk, SampleRow.job_id).where(_writer_or_slots(writer), SampleRow.state == SampleState.RUNNING)
     ).all()
     for pk, job_id in running:
         session.execute(
@@ -514,12 +551,14 @@ def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, i
             session,
             job_id,
             [pk],
-            "running",
+            SampleState.RUNNING,
             _requeue_state(session, job_id),
             {"writer": None, "attempts": SampleRow.attempts - 1},
         )
     staged = session.execute(
-        select(SampleRow.pk, SampleRow.job_id, SampleRow.staged_path).where(SampleRow.writer == writer, SampleRow.state == "staged")
+        select(SampleRow.pk, SampleRow.job_id, SampleRow.staged_path).where(
+            SampleRow.writer == writer, SampleRow.state == SampleState.STAGED
+        )
     ).all()
     for pk, job_id, path in staged:
         if path and staged_exists(path):
@@ -529,7 +568,7 @@ def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, i
                 session,
                 job_id,
                 [pk],
-                "staged",
+                SampleState.STAGED,
                 _requeue_state(session, job_id),
                 {
                     "writer": None,
@@ -542,7 +581,7 @@ def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, i
 
 
 def staged_samples(session: Session, writer: str, job_id: str | None = None) -> list[SampleRow]:
-    q = select(SampleRow).where(SampleRow.writer == writer, SampleRow.state == "staged")
+    q = select(SampleRow).where(SampleRow.writer == writer, SampleRow.state == SampleState.STAGED)
     if job_id is not None:
         q = q.where(SampleRow.job_id == job_id)
     return list(session.execute(q.order_by(SampleRow.job_id, SampleRow.idx)).scalars())
@@ -553,14 +592,14 @@ def requeue_staged(session: Session, job_id: str, pks: list[int], reason: str) -
         session,
         job_id,
         pks,
-        "staged",
+        SampleState.STAGED,
         _requeue_state(session, job_id),
         {"writer": None, "staged_path": None, "last_error": reason},
     )
 
 
-def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_attempts: int) -> str:
-    """The shard writer found what staging does not check (NaN or Inf among the values): the
+def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_attempts: int) -> SampleState:
+    """Writing the shard found what staging does not check (NaN or Inf among the values): the
     attempt that staged the sample failed after all. Queue the sample again, or fail it once its
     budget is spent; returns the state it went to."""
     attempts, number = session.execute(select(SampleRow.attempts, SampleRow.tries).where(SampleRow.pk == pk)).one()
@@ -570,11 +609,11 @@ def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_at
         .where(AttemptRow.sample_pk == pk, AttemptRow.number == number)
         .values(outcome="failed" if final else "retry", reason=reason)
     )
-    dst = "failed" if final else _requeue_state(session, job_id)
+    dst = SampleState.FAILED if final else _requeue_state(session, job_id)
     values = {"last_error": reason, "staged_path": None}
     if not final:
         values["writer"] = None
-    if _transition(session, job_id, [pk], "staged", dst, values) != 1:
+    if _transition(session, job_id, [pk], SampleState.STAGED, dst, values) != 1:
         raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
     return dst
 
@@ -608,7 +647,12 @@ def commit_shard(
     )
     for pk, offset, _ in placed:
         moved = _transition(
-            session, job_id, [pk], "staged", "succeeded", {"shard": name, "shard_offset": offset, "staged_path": None}
+            session,
+            job_id,
+            [pk],
+            SampleState.STAGED,
+            SampleState.SUCCEEDED,
+            {"shard": name, "shard_offset": offset, "staged_path": None},
         )
         if moved != 1:
             raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
@@ -647,7 +691,9 @@ def job_shards(session: Session, job_id: str) -> list[ShardRow]:
 
 
 def get_shard(session: Session, job_id: str, name: str) -> ShardRow | None:
-    return session.execute(select(ShardRow).where(ShardRow.job_id == job_id, ShardRow.name == name)).scalar_one_or_none()
+    return session.execute(
+        select(ShardRow).where(ShardRow.job_id == job_id, ShardRow.name == name)
+    ).scalar_one_or_none()
 
 
 def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
@@ -656,7 +702,7 @@ def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
     while True:
         rows = session.execute(
             select(SampleRow.idx, SampleRow.sample_id, SampleRow.shard, SampleRow.shard_offset, SampleRow.num_tokens)
-            .where(SampleRow.job_id == job_id, SampleRow.state == "succeeded", SampleRow.idx > last)
+            .where(SampleRow.job_id == job_id, SampleRow.state == SampleState.SUCCEEDED, SampleRow.idx > last)
             .order_by(SampleRow.idx)
             .limit(batch)
         ).all()
@@ -675,16 +721,14 @@ def report_writer(
     session: Session, identity: str, *, state: str, reason: str | None, server: dict | None, started_at: datetime
 ) -> None:
     values = {"state": state, "reason": reason, "server": server, "heartbeat_at": utcnow()}
-    if session.execute(update(WriterRow).where(WriterRow.identity == identity).values(values)).rowcount == 0:
+    if _rowcount(session.execute(update(WriterRow).where(WriterRow.identity == identity).values(values))) == 0:
         session.add(WriterRow(identity=identity, started_at=started_at, **values))
 
 
 def live_writers(session: Session) -> list[WriterRow]:
     since = datetime.fromtimestamp(time.time() - WRITER_STALE_S, timezone.utc)
     return list(
-        session.execute(
-            select(WriterRow).where(WriterRow.heartbeat_at >= since).order_by(WriterRow.identity)
-        ).scalars()
+        session.execute(select(WriterRow).where(WriterRow.heartbeat_at >= since).order_by(WriterRow.identity)).scalars()
     )
 
 

@@ -11,7 +11,7 @@ RATE_WINDOW_S = 60.0
 
 
 class WriterMetrics:
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.attempts: Counter[tuple[str, str]] = Counter()  # (outcome, reason code)
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)

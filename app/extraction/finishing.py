@@ -1,0 +1,79 @@
+"""Finishing a job once its samples are settled: its manifest, then its terminal state, then the
+removal of what a crash may have left in its folder.
+
+A manifest that cannot be written yet (the disk is full) leaves the job unfinished; it is tried
+again until it lands, so a finished job always has its manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from pathlib import Path
+
+from hsx.db import repository as repo
+from hsx.extraction.database import Database
+from hsx.extraction.disk import DiskPause, disk_full
+from hsx.manifest import build_manifest, job_dir, write_manifest
+from hsx.states import JobState
+from sqlalchemy.orm import Session
+
+log = logging.getLogger("hsx.writer")
+
+
+def finish_job(session: Session, job_id: str, output_root: Path) -> JobState | None:
+    """End a job whose samples are all settled: manifest.json first, then the terminal state, so
+    a finished job always has its manifest. Returns the state it ended in, or None."""
+    job = repo.get_job(session, job_id)
+    if job is None:
+        return None
+    final = repo.final_state(job)
+    if final is None:
+        return None
+    write_manifest(job_dir(output_root, job.id), build_manifest(session, job, final))
+    return final if repo.finish_job_if_done(session, job_id) else None
+
+
+class JobFinisher:
+    def __init__(self, output_root: Path, staging: Path, db: Database, pause: DiskPause):
+        self.output_root = output_root
+        self.staging = staging
+        self.db = db
+        self.pause = pause
+        self._due: set[str] = set()  # jobs whose manifest could not be written yet
+        self._lock = threading.Lock()
+
+    def finish(self, job_id: str) -> None:
+        """End the job if it is settled; when its manifest cannot be written yet, the job stays
+        unfinished and retry_due tries again."""
+        try:
+            final = self.db.run(lambda s: finish_job(s, job_id, self.output_root))
+        except OSError as exc:
+            if disk_full(exc):
+                self.pause.reason = f"output disk full, manifest of {job_id} not written yet: {exc}"
+            log.warning("job %s: manifest not written yet: %s", job_id, exc)
+            with self._lock:
+                self._due.add(job_id)
+            return
+        with self._lock:
+            self._due.discard(job_id)
+        if final:
+            known = {sh.name for sh in self.db.run(lambda s: repo.job_shards(s, job_id))}
+            self._remove_leftovers(job_id, known)
+            log.info("job %s %s; manifest at %s", job_id, final, job_dir(self.output_root, job_id))
+
+    def retry_due(self) -> None:
+        with self._lock:
+            due = list(self._due)
+        for job_id in due:
+            self.finish(job_id)
+
+    def _remove_leftovers(self, job_id: str, known: set[str]) -> None:
+        """Once a job is finished, nothing can still be writing into it: drop temp files and shards
+        a crash left unrecorded, and its staging folder."""
+        folder = job_dir(self.output_root, job_id)
+        for p in folder.glob("*"):
+            if (p.name.startswith(".") and ".tmp-" in p.name) or (p.suffix == ".safetensors" and p.name not in known):
+                p.unlink(missing_ok=True)
+        shutil.rmtree(self.staging / job_id, ignore_errors=True)

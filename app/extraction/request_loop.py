@@ -1,0 +1,210 @@
+"""The request loop: claim a sample, send it to the model server, find its dump, validate it,
+stage it, and settle the sample's outcome.
+
+The GPU should never wait on us, so the loop only sends, finds, validates and stages: a validated
+dump is renamed out of the dump root (the root is clear again at once) and the shard flusher
+writes it into a shard while the next request runs. In rid mode several slots keep requests in
+flight at once; each slot claims under its own identity ("<writer>#<n>"), so the database still
+holds one running sample per identity.
+
+Whatever breaks, an attempt ends with a recorded outcome: a server that went away gives the
+sample back unspent, anything else about the attempt spends it with a reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+
+import numpy as np
+from hsx.backends.dumps import DumpRejected, DumpRoot
+from hsx.backends.extract import Expectation, Extractor
+from hsx.backends.sglang import BackendRejected, BackendUnavailable
+from hsx.config import Settings
+from hsx.db import repository as repo
+from hsx.extraction.database import Database
+from hsx.extraction.disk import DISK_RETRY_S, DiskPause
+from hsx.extraction.flusher import ShardFlusher
+from hsx.extraction.metrics import WriterMetrics
+from hsx.extraction.server_watch import ServerWatch
+from hsx.extraction.status import StatusReport
+from sqlalchemy.orm import Session
+
+log = logging.getLogger("hsx.writer")
+
+IDLE_POLL_S = 0.2
+# rid mode: completed dumps nobody waits for (warm-up, health checks, other clients) are swept.
+SWEEP_EVERY_S = 60.0
+SWEEP_AGE_S = 120.0
+
+
+class RequestLoop:
+    def __init__(
+        self,
+        settings: Settings,
+        identity: str,
+        root: DumpRoot,
+        db: Database,
+        server: ServerWatch,
+        report: StatusReport,
+        flusher: ShardFlusher,
+        pause: DiskPause,
+        metrics: WriterMetrics,
+        stop: threading.Event,
+    ):
+        self.settings = settings
+        self.identity = identity
+        self.root = root
+        self.db = db
+        self.server = server
+        self.report = report
+        self.flusher = flusher
+        self.pause = pause
+        self.metrics = metrics
+        self.stop = stop
+        self._work = threading.Event()  # set when a job may have new queued samples
+        self._swept_at = 0.0
+
+    def notify_work(self) -> None:
+        self._work.set()
+
+    def slot_identity(self, slot: int) -> str:
+        return self.identity if slot == 0 else f"{self.identity}#{slot}"
+
+    def step(self, slot: int = 0) -> bool:
+        """One turn: process at most one sample; returns whether one was processed."""
+        if slot == 0:
+            self.report.heartbeat()
+        extractor = self._extractor()
+        if extractor is None:
+            self.stop.wait(self.server.backoff.next())
+            return False
+        if slot > 0 and extractor.name_by != "rid":
+            self.stop.wait(1.0)  # counter naming needs the root to itself: one request at a time
+            return False
+        if self.pause.reason:
+            self.report.set("waiting", self.pause.reason)
+            self.stop.wait(DISK_RETRY_S)
+            return False
+        if not self.flusher.wait_for_room():
+            return False
+        self.report.set("ready")
+        claimed = self.db.run(lambda s: repo.claim_next(s, self.slot_identity(slot)))
+        if claimed is None:
+            if slot == 0:
+                self._sweep(extractor)
+            if self._work.wait(IDLE_POLL_S):
+                self._work.clear()
+            return False
+        if claimed.queued_left == 0:
+            # Nothing left to claim: what is staged can go to its shard while the last requests
+            # run, so the job ends with only their samples left to write.
+            self.flusher.wake()
+        if claimed.job_layers is not None and self.server.layers not in (None, claimed.job_layers):
+            self._refuse_job(claimed)
+        else:
+            self._process(claimed, extractor)
+        self.flusher.settle(claimed.job_id)
+        return True
+
+    def _extractor(self) -> Extractor | None:
+        """The extractor for the model server, None while it cannot take requests; what a check of
+        the server finds becomes the writer's status."""
+        extractor, verdict = self.server.ensure()
+        if verdict is not None:
+            if verdict.server is not None:
+                self.report.status.server = verdict.server
+            self.report.set(verdict.state, verdict.reason)
+        return extractor
+
+    def _refuse_job(self, c: repo.Claimed) -> None:
+        """The server captures other layers than the job asks for: fail the job, spend nothing."""
+        reason = f"wrong_layers: the job asks for layers {c.job_layers}, the server captures {self.server.layers}"
+
+        def refuse(s: Session) -> None:
+            repo.release_interrupted(s, c, reason=reason)
+            repo.fail_job(s, c.job_id, reason)
+
+        self.db.run(refuse)
+        log.warning("job %s refused: %s", c.job_id, reason)
+
+    def _process(self, c: repo.Claimed, extractor: Extractor) -> None:
+        ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
+        rid = f"hsx-{c.job_id}-{c.idx}-t{c.try_number}"
+        info = c.job_model_info or {}
+        expect = Expectation(
+            layers=info.get("layers", c.job_layers), hidden_size=info.get("hidden_size"), dtype=info.get("dtype")
+        )
+        started = time.monotonic()
+        try:
+            dump = extractor.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}", expect=expect)
+        except BackendUnavailable as exc:
+            self.metrics.attempt("interrupted", "server_unavailable")
+            self.server.lost()
+            why = f"model server unavailable: {exc}"
+            self.db.run(lambda s: repo.release_interrupted(s, c, reason=why))
+            return
+        except Exception as exc:  # any other failure is this attempt's, recorded, never a stuck sample
+            if isinstance(exc, DumpRejected):
+                reason = f"{exc.code}: {exc.reason}"
+            elif isinstance(exc, BackendRejected):
+                reason = f"server_error: {exc}"
+            else:
+                log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
+                reason = f"internal_error: {type(exc).__name__}: {exc}"
+            self.metrics.attempt("failed", reason)
+            outcome = self.db.run(
+                lambda s: repo.record_failed_attempt(s, c, reason=reason, max_attempts=self.settings.max_attempts)
+            )
+            log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
+            return
+        self.metrics.backend_latency(time.monotonic() - started)
+        meta = dump.meta
+        model = dict(
+            self.server.model_info,
+            layers=[int(i) for i in meta["layers"]],
+            hidden_size=int(meta["hidden_size"]),
+            dtype=meta["dtype"],
+        )
+
+        def stage(s: Session) -> bool:
+            if c.job_model_info is None and repo.set_job_model_info(s, c.job_id, model) != model:
+                repo.record_failed_attempt(
+                    s,
+                    c,
+                    reason="wrong_model: dump differs from the job's model",
+                    max_attempts=self.settings.max_attempts,
+                )
+                return False
+            repo.mark_staged(
+                s,
+                c,
+                writer=self.identity,
+                staged_path=str(dump.path),
+                observed_tokens=dump.num_tokens,
+                dump_key=dump.key,
+                boot_id=meta.get("boot_id"),
+            )
+            return True
+
+        if not self.db.run(stage):
+            shutil.rmtree(dump.path, ignore_errors=True)
+            return
+        self.metrics.attempt("ok")
+        self.metrics.extracted(dump.num_tokens, dump.nbytes)
+        # Only after the commit: a flush that started before it must not have swallowed this sample.
+        self.flusher.staged(c.job_id, dump.nbytes)
+
+    def _sweep(self, extractor: Extractor) -> None:
+        if extractor.name_by != "rid" or time.monotonic() - self._swept_at < SWEEP_EVERY_S:
+            return
+        self._swept_at = time.monotonic()
+        cutoff = time.time() - SWEEP_AGE_S
+        for d in self.root.entries():
+            try:
+                if d.stat().st_mtime < cutoff:
+                    shutil.rmtree(d, ignore_errors=True)
+            except FileNotFoundError:
+                pass

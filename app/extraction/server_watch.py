@@ -1,0 +1,134 @@
+"""Watching the model server: whether it is ready, whether its settings allow whole dumps, which
+layers it captures, and when it restarted.
+
+A server that went away is trusted again only once /health says it is ready, and its settings are
+read again then: a restarted server may capture other layers or name its dumps differently.
+Settings that silently break dumps are detected here, never assumed away.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx.backends.dumps import DumpRoot
+from hsx.backends.extract import Extractor
+from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
+from hsx.config import Settings
+from hsx.extraction.backoff import Backoff
+
+log = logging.getLogger("hsx.writer")
+
+SERVER_RECHECK_S = 60.0
+
+
+def dump_breaking_settings(server_info: dict) -> list[str]:
+    """Reasons this server's settings would produce partial or split dumps (empty: fine)."""
+    problems = []
+    if server_info.get("disable_radix_cache") is False:
+        problems.append(
+            "the server's prefix (radix) cache is on, so dumps may miss cached prompt rows; "
+            "restart it with --disable-radix-cache"
+        )
+    chunk = server_info.get("chunked_prefill_size")
+    if isinstance(chunk, int) and chunk > 0:
+        problems.append(
+            f"the server splits prompts into chunks of {chunk} tokens (chunked prefill), so one "
+            "prompt would be dumped in pieces; restart it with --chunked-prefill-size -1"
+        )
+    return problems
+
+
+@dataclass(frozen=True)
+class ServerVerdict:
+    """What a check of the server found, as the writer's status: ready, waiting or refusing."""
+
+    state: str
+    reason: str | None = None
+    server: dict | None = None  # when ready: what /healthz shows of the server
+
+
+class ServerWatch:
+    def __init__(self, settings: Settings, client: SGLangClient, root: DumpRoot, staging: Path):
+        self.settings = settings
+        self.client = client
+        self.root = root
+        self.staging = staging
+        # None until a check finds the server ready, and again from the moment it is seen to go away.
+        self.extractor: Extractor | None = None
+        self.model_info: dict = {}
+        self.layers: list[int] | None = None  # the layers the server captures; None: not said
+        self.backoff = Backoff()
+        self._boot_id: str | None = None
+        self._outage = False
+        self._checked_at = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def usable(self) -> bool:
+        return self.extractor is not None
+
+    def ensure(self) -> tuple[Extractor | None, ServerVerdict | None]:
+        """The extractor for the server as last checked, checking it first when that is due (none
+        usable yet, or the last check older than SERVER_RECHECK_S); with the verdict of that check,
+        None when no check ran."""
+        extractor = self.extractor
+        if extractor is not None and not self._check_due():
+            return extractor, None
+        with self._lock:
+            extractor = self.extractor
+            if extractor is not None and not self._check_due():
+                return extractor, None
+            verdict = self._check()
+            return self.extractor, verdict
+
+    def lost(self) -> None:
+        """A request found the server gone: nothing is sent until /health says it is back."""
+        self.extractor, self._outage = None, True
+
+    def _check_due(self) -> bool:
+        return time.monotonic() - self._checked_at >= SERVER_RECHECK_S
+
+    def _check(self) -> ServerVerdict:
+        try:
+            if self._outage:
+                # A restarting server answers some endpoints before it is ready; /health says when.
+                self.client.health()
+            model_info = self.client.model_info()
+            server_info = self.client.server_info()
+        except (BackendUnavailable, BackendRejected) as exc:
+            self.lost()
+            return ServerVerdict("waiting", f"model server not ready: {exc}")
+        problems = dump_breaking_settings(server_info)
+        if problems:
+            self.extractor = None
+            return ServerVerdict("refusing", "; ".join(problems))
+        dump = server_info.get("hs_dump") or {}
+        name_by = self.settings.name_by if self.settings.name_by != "auto" else dump.get("name_by", "counter")
+        boot_id = dump.get("boot_id")
+        if self._boot_id and boot_id and boot_id != self._boot_id:
+            log.warning("model server restarted (boot id %s -> %s); settings re-read", self._boot_id, boot_id)
+        self._boot_id = boot_id
+        self.layers = [int(i) for i in dump["layers"]] if dump.get("layers") else None
+        self.model_info = {
+            "model_path": model_info.get("model_path"),
+            "num_hidden_layers": model_info.get("num_hidden_layers"),
+            "vocab_size": model_info.get("vocab_size"),
+        }
+        self.extractor = Extractor(
+            self.client, self.root, self.staging, name_by=name_by, dump_wait_s=self.settings.dump_wait_s
+        )
+        self._outage = False
+        self._checked_at = time.monotonic()
+        self.backoff.reset()
+        server = {
+            "url": self.settings.backend_url,
+            "name_by": name_by,
+            "boot_id": boot_id,
+            "model_path": model_info.get("model_path"),
+            "layers": self.layers,
+        }
+        return ServerVerdict("ready", server=server)
