@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 
 import httpx
 import pytest
 import torch
 from hsx.manifest import load_manifest, read_sample
+from safetensors import safe_open
 from safetensors.torch import load
 
 from tests.support.stack import VOCAB, start_reference, start_service
@@ -198,6 +200,63 @@ def test_downloads_events_and_metrics(stack, recompute):
     text = svc.get("/metrics").text
     assert 'hsx_samples{state="succeeded"}' in text and "hsx_backend_request_seconds_bucket" in text
     assert 'hsx_attempts_total{outcome="ok",reason=""}' in text and "hsx_tokens_per_second" in text
+
+
+# Put first on a server's path, it makes `import torch` fail there as if torch were not installed, and
+# notes that the process started with it and any attempt to import torch.
+NO_TORCH = """
+import os, sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+open(os.path.join(here, f"started-{os.getpid()}"), "w").close()
+
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] != "torch":
+            return None
+        with open(os.path.join(here, f"torch-imports-{os.getpid()}"), "a") as f:
+            f.write(name + "\\n")
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
+def test_tensors_are_served_without_torch(stack, tmp_path, monkeypatch):
+    svc, _ = stack
+    samples = make_samples(3, seed=40)
+    job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
+    assert job["state"] == "succeeded"
+    blocker = tmp_path / "no-torch"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(NO_TORCH)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(blocker), os.environ.get("PYTHONPATH")) if p))
+    # An API-only service on the same database and output root (start_service puts it under the folder given).
+    api = start_service(svc.output_root.parent, svc.database_url, extra=["--no-writer"])
+    try:
+        folder = svc.output_root / job["id"]
+        manifest = load_manifest(folder)
+        assert manifest.dtype == "bfloat16"
+        for i, s in enumerate(samples):
+            resp = api.get(f"/v1/jobs/{job['id']}/tensors/{s['id']}")
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["content-disposition"] == f'attachment; filename="sample-{i}.safetensors"'
+            got, want = load(resp.content), read_sample(folder, manifest, s["id"])
+            assert got.keys() == want.keys() == {"input_ids", "loss_mask"} | {f"layer_{n}" for n in manifest.layers}
+            for name, tensor in want.items():
+                assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+            answer = tmp_path / f"{i}.safetensors"
+            answer.write_bytes(resp.content)
+            with safe_open(str(answer), framework="pt") as f:
+                assert f.metadata() == {"sample_id": s["id"], "job_id": job["id"]}
+        unknown = api.get(f"/v1/jobs/{job['id']}/tensors/nope")
+        assert unknown.status_code == 404
+    finally:
+        api.stop()
+    assert (blocker / f"started-{api.proc.proc.pid}").exists()
+    assert not list(blocker.glob("torch-imports-*"))
 
 
 def test_sample_ids_with_slashes_are_reachable(stack):

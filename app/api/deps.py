@@ -1,4 +1,4 @@
-"""Dependencies shared by the routers: the request's database session and the settings."""
+"""What routes depend on, taken from the application's state (the one place that reads it)."""
 
 from __future__ import annotations
 
@@ -6,23 +6,47 @@ from typing import Annotated, Iterator
 
 from fastapi import Depends, Request
 from hsx.config import Settings
-from sqlalchemy.orm import Session
-
-
-def get_session(request: Request) -> Iterator[Session]:
-    with request.app.state.sessions() as session:
-        yield session
+from hsx.extraction import Writer
+from hsx.service.backend_info import BackendInfo
+from sqlalchemy.orm import Session, sessionmaker
 
 
 def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_read_session(request: Request) -> Iterator[Session]:
-    with request.app.state.read_sessions() as session:
+def get_sessions(request: Request) -> sessionmaker[Session]:
+    return request.app.state.sessions
+
+
+def get_read_sessions(request: Request) -> sessionmaker[Session]:
+    return request.app.state.read_sessions
+
+
+def get_session(sessions: Annotated[sessionmaker[Session], Depends(get_sessions)]) -> Iterator[Session]:
+    with sessions() as session:
         yield session
 
 
+def get_read_session(sessions: Annotated[sessionmaker[Session], Depends(get_read_sessions)]) -> Iterator[Session]:
+    with sessions() as session:
+        yield session
+
+
+def get_backend(request: Request) -> BackendInfo:
+    return request.app.state.backend
+
+
+def get_writer(request: Request) -> Writer | None:
+    """This process's writer; None when another process runs it."""
+    return request.app.state.writer
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+# A session per request; the factories, for work that outlives one (streams, threads).
 SessionDep = Annotated[Session, Depends(get_session)]
 ReadSessionDep = Annotated[Session, Depends(get_read_session)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
+ReadSessionsDep = Annotated[sessionmaker[Session], Depends(get_read_sessions)]
+BackendDep = Annotated[BackendInfo, Depends(get_backend)]
+WriterDep = Annotated[Writer | None, Depends(get_writer)]

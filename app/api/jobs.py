@@ -3,42 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import re
-import shutil
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Annotated, AsyncIterator
 
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
-from hsx.api import intake
-from hsx.api.deps import ReadSessionDep, SessionDep, SettingsDep
-from hsx.api.problems import PROBLEM_MEDIA_TYPE, InvalidInput, NotFound, ProblemError, errors_from_pydantic
-from hsx.api.schemas import (
-    AttemptOut,
-    Counts,
-    JobCreate,
-    JobOut,
-    JobPage,
-    JobState,
-    SampleOut,
-    SamplePage,
-    SampleState,
-    Tokens,
-    utc,
+from hsx.api.deps import (
+    BackendDep,
+    ReadSessionDep,
+    ReadSessionsDep,
+    SessionDep,
+    SessionsDep,
+    SettingsDep,
+    WriterDep,
 )
-from hsx.config import Settings
+from hsx.api.problems import PROBLEM_MEDIA_TYPE
+from hsx.api.schemas import JobOut, JobPage, JobStateValue, SampleOut, SamplePage, SampleStateValue
+from hsx.api.views import job_out, sample_out
 from hsx.db import repository as repo
-from hsx.db.models import JobRow, SampleRow
-from hsx.extraction.finishing import finish_job
+from hsx.extraction import Writer
 from hsx.layers import check_layers, parse_layers
-from hsx.manifest import build_manifest, job_dir
+from hsx.manifest import build_manifest
+from hsx.service import jobs as service
+from hsx.service.errors import InvalidInput, NotFound
+from hsx.service.tensors import sample_tensors
 from hsx.states import TERMINAL_JOB_STATES
-from pydantic import ValidationError
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -79,219 +68,7 @@ CREATE_BODY = {
 }
 
 
-def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
-    """The API's view of a job; `waiting` is why active jobs make no progress (see repo.waiting_reason)."""
-    rate = eta = None
-    started = utc(job.started_at)
-    if started is not None:
-        end = utc(job.finished_at) or datetime.now(timezone.utc)
-        elapsed = (end - started).total_seconds()
-        extracted = job.tokens_done + job.tokens_staged
-        if elapsed > 0 and extracted:
-            rate = extracted / elapsed
-            eta = 0.0 if job.finished_at else (job.tokens_total - extracted) / rate
-    return JobOut(
-        id=job.id,
-        name=job.name,
-        state=job.state,
-        error=job.error,
-        created_at=utc(job.created_at),
-        waiting_reason=waiting if job.state in ("queued", "running") and (job.n_queued or job.n_running) else None,
-        started_at=started,
-        cancel_requested_at=utc(job.cancel_requested_at),
-        finished_at=utc(job.finished_at),
-        counts=Counts(
-            total=job.num_samples,
-            queued=job.n_queued,
-            running=job.n_running,
-            staged=job.n_staged,
-            succeeded=job.n_succeeded,
-            failed=job.n_failed,
-            cancelled=job.n_cancelled,
-        ),
-        tokens=Tokens(total=job.tokens_total, done=job.tokens_done, staged=job.tokens_staged),
-        rate_tokens_per_s=rate,
-        eta_s=eta,
-        shards_written=job.shards_written,
-        estimated_bytes=job.estimated_bytes,
-        disk_warning=job.disk_warning,
-        layers=job.layers,
-        model=job.model_info,
-        manifest_url=f"/v1/jobs/{job.id}/manifest",
-    )
-
-
-def sample_out(s: SampleRow, attempts=None) -> SampleOut:
-    log = None
-    if attempts is not None:
-        log = [
-            AttemptOut(
-                number=a.number,
-                outcome=a.outcome,
-                reason=a.reason,
-                started_at=utc(a.started_at),
-                finished_at=utc(a.finished_at),
-                dump=a.dump_key,
-                observed_tokens=a.observed_tokens,
-                boot_id=a.boot_id,
-            )
-            for a in attempts
-        ]
-    return SampleOut(
-        id=s.sample_id,
-        index=s.idx,
-        state=s.state,
-        expected_tokens=s.num_tokens,
-        observed_tokens=s.observed_tokens,
-        attempts=s.attempts,
-        last_error=s.last_error,
-        shard=s.shard,
-        offset=s.shard_offset,
-        attempt_log=log,
-    )
-
-
-def _job(session: Session, job_id: str) -> JobRow:
-    job = repo.get_job(session, job_id)
-    if job is None:
-        raise NotFound(f"job {job_id!r}")
-    return job
-
-
 # --- creation -------------------------------------------------------------------------------
-
-
-def _replay(job: JobRow, digest: str) -> JobOut:
-    """The answer to a request whose Idempotency-Key was seen before."""
-    if job.request_sha256 != digest:
-        raise ProblemError(
-            422,
-            "this Idempotency-Key was already used with a different request",
-            type_="/problems/idempotency-key-reused",
-            field="Idempotency-Key",
-        )
-    return job_out(job)
-
-
-def _create_sync(
-    sessions: sessionmaker, settings: Settings, limits: intake.Limits, body: JobCreate, key: str | None, digest: str
-) -> JobOut:
-    if key:
-        with sessions() as s:
-            existing = repo.job_by_idempotency_key(s, key)
-            if existing is not None:
-                return _replay(existing, digest)
-    if body.samples is not None:
-        items = intake.body_items(body.samples)
-    else:
-        items = intake.numbered_lines(
-            intake.file_lines(intake.resolve_input_path(settings.input_root, body.input_path))
-        )
-    try:
-        with sessions.begin() as s:
-            ingest = intake.Ingest(
-                s,
-                limits,
-                name=body.name,
-                layers=body.layers,
-                idempotency_key=key,
-                request_sha256=digest,
-                disk=_disk_check(settings),
-            )
-            for item in items:
-                ingest.feed(*item)
-            return job_out(ingest.finish())
-    except IntegrityError:
-        if not key:
-            raise
-        with sessions() as s:  # a concurrent request with the same key won the race
-            return _replay(repo.job_by_idempotency_key(s, key), digest)
-
-
-async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
-    seen = 0
-    async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > limit:
-            raise ProblemError(413, f"request body exceeds {limit} bytes")
-        yield chunk
-
-
-async def _lines(request: Request, limit: int, digest) -> AsyncIterator[bytes]:
-    rest = b""
-    async for chunk in _body_chunks(request, limit):
-        digest.update(chunk)
-        rest += chunk
-        *lines, rest = rest.split(b"\n")
-        for line in lines:
-            yield line
-    if rest:
-        yield rest
-
-
-async def _create_from_ndjson(
-    request: Request,
-    settings: Settings,
-    limits: intake.Limits,
-    name: str | None,
-    layers: list[int] | None,
-    key: str | None,
-) -> JobOut:
-    sessions = request.app.state.sessions
-    digest = hashlib.sha256(json.dumps(["ndjson", name, layers]).encode())
-    if key:
-        existing = await run_in_threadpool(_find_key, sessions, key)
-        if existing is not None:
-            async for _ in _lines(request, settings.max_ndjson_bytes, digest):
-                pass
-            return _replay(existing, digest.hexdigest())
-    session = sessions()
-    try:
-        session.begin()
-        ingest = await run_in_threadpool(
-            intake.Ingest, session, limits, name=name, layers=layers, idempotency_key=key, disk=_disk_check(settings)
-        )
-        batch, index, lineno = [], 0, 0
-        async for line in _lines(request, settings.max_ndjson_bytes, digest):
-            lineno += 1
-            if not line.strip():
-                continue
-            batch.append(intake.parse_line(index, lineno, line))
-            index += 1
-            if len(batch) >= intake.BATCH:
-                await run_in_threadpool(_feed, ingest, batch)
-                batch = []
-        await run_in_threadpool(_feed, ingest, batch)
-        ingest.builder.job.request_sha256 = digest.hexdigest()
-        job = await run_in_threadpool(ingest.finish)
-        out = job_out(job)
-        await run_in_threadpool(session.commit)
-        return out
-    except IntegrityError:
-        await run_in_threadpool(session.rollback)
-        if not key:
-            raise
-        existing = await run_in_threadpool(_find_key, sessions, key)
-        return _replay(existing, digest.hexdigest())
-    except BaseException:
-        await run_in_threadpool(session.rollback)
-        raise
-    finally:
-        await run_in_threadpool(session.close)
-
-
-def _disk_check(settings: Settings) -> intake.DiskCheck:
-    return intake.DiskCheck(Path(settings.output_root), settings.disk_check)
-
-
-def _feed(ingest: intake.Ingest, batch: list) -> None:
-    for item in batch:
-        ingest.feed(*item)
-
-
-def _find_key(sessions: sessionmaker, key: str) -> JobRow | None:
-    with sessions() as s:
-        return repo.job_by_idempotency_key(s, key)
 
 
 @router.post(
@@ -310,41 +87,62 @@ def _find_key(sessions: sessionmaker, key: str) -> JobRow | None:
 async def create_job(
     request: Request,
     settings: SettingsDep,
+    sessions: SessionsDep,
+    backend: BackendDep,
+    writer: WriterDep,
     name: Annotated[str | None, Query(max_length=200, description="job name (NDJSON bodies only)")] = None,
     layers: Annotated[str | None, Query(description="comma-separated layers (NDJSON bodies only)")] = None,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobOut:
     media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    limits = await run_in_threadpool(request.app.state.backend.limits)
     if media == "application/x-ndjson":
-        layer_list = None
-        if layers is not None:
-            try:
-                layer_list = check_layers(parse_layers(layers))
-            except ValueError as exc:
-                raise InvalidInput([{"field": "layers", "message": str(exc)}]) from None
-        out = await _create_from_ndjson(request, settings, limits, name, layer_list, idempotency_key)
-        _wake_writer(request)
-        return out
-    if media != "application/json":
-        raise ProblemError(415, f"send application/json or application/x-ndjson, not {media!r}")
-    raw = b"".join([c async for c in _body_chunks(request, settings.max_json_bytes)])
+        job = await service.create_job_from_ndjson(
+            sessions=sessions,
+            settings=settings,
+            backend=backend,
+            name=name,
+            layers=_layer_list(layers),
+            idempotency_key=idempotency_key,
+            body=_body_chunks(request, settings.max_ndjson_bytes),
+        )
+    elif media == "application/json":
+        body = b"".join([c async for c in _body_chunks(request, settings.max_json_bytes)])
+        job = await run_in_threadpool(
+            service.create_job,
+            sessions=sessions,
+            settings=settings,
+            backend=backend,
+            body=body,
+            idempotency_key=idempotency_key,
+        )
+    else:
+        raise HTTPException(415, f"send application/json or application/x-ndjson, not {media!r}")
+    _wake(writer)
+    return job_out(job)
+
+
+def _layer_list(layers: str | None) -> list[int] | None:
+    if layers is None:
+        return None
     try:
-        body = JobCreate.model_validate_json(raw)
-    except ValidationError as exc:
-        raise InvalidInput(errors_from_pydantic(exc.errors())) from None
-    digest = hashlib.sha256(b"json\0" + raw).hexdigest()
-    out = await run_in_threadpool(
-        _create_sync, request.app.state.sessions, settings, limits, body, idempotency_key, digest
-    )
-    _wake_writer(request)
-    return out
+        return check_layers(parse_layers(layers))
+    except ValueError as exc:
+        raise InvalidInput([{"field": "layers", "message": str(exc)}]) from None
 
 
-def _wake_writer(request: Request) -> None:
+async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
+    seen = 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > limit:
+            raise HTTPException(413, f"request body exceeds {limit} bytes")
+        yield chunk
+
+
+def _wake(writer: Writer | None) -> None:
     """Committed queued samples: this process's writer starts on them now, not at its next poll."""
-    if request.app.state.writer is not None:
-        request.app.state.writer.notify_work()
+    if writer is not None:
+        writer.notify_work()
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -353,7 +151,7 @@ def _wake_writer(request: Request) -> None:
 @router.get("", response_model=JobPage, responses=_problems(422), summary="List jobs, newest first")
 def list_jobs(
     session: ReadSessionDep,
-    state: JobState | None = None,
+    state: JobStateValue | None = None,
     after: Annotated[str | None, Query(max_length=40, description="job id the previous page ended with")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> JobPage:
@@ -369,7 +167,7 @@ def list_jobs(
 
 @router.get("/{job_id}", response_model=JobOut, responses=_problems(404), summary="A job's state and progress")
 def get_job(job_id: str, session: ReadSessionDep) -> JobOut:
-    job = _job(session, job_id)
+    job = service.get_job(session=session, job_id=job_id)
     return job_out(job, repo.waiting_reason(session))
 
 
@@ -385,9 +183,7 @@ def get_job(job_id: str, session: ReadSessionDep) -> JobOut:
     response_class=StreamingResponse,
     summary="Live progress as server-sent events",
 )
-async def job_events(job_id: str, request: Request):
-    sessions = request.app.state.read_sessions
-
+async def job_events(job_id: str, request: Request, sessions: ReadSessionsDep):
     def load() -> JobOut | None:
         with sessions() as s:
             job = repo.get_job(s, job_id)
@@ -411,7 +207,8 @@ async def job_events(job_id: str, request: Request):
                 return
             await asyncio.sleep(0.5)
             quiet += 0.5
-            job = await run_in_threadpool(load) or job
+            latest = await run_in_threadpool(load)
+            job = latest or job
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -425,11 +222,11 @@ async def job_events(job_id: str, request: Request):
 def list_samples(
     job_id: str,
     session: ReadSessionDep,
-    state: SampleState | None = None,
+    state: SampleStateValue | None = None,
     after: Annotated[str | None, Query(max_length=200, description="sample id the previous page ended with")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> SamplePage:
-    _job(session, job_id)
+    service.get_job(session=session, job_id=job_id)
     after_idx = None
     if after is not None:
         anchor = repo.get_sample(session, job_id, after)
@@ -459,22 +256,11 @@ def list_samples(
     summary="One stored sample's tensors as a small safetensors file",
 )
 def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, settings: SettingsDep) -> Response:
-    from hsx.manifest import read_rows
-    from safetensors.torch import save
-
-    job = _job(session, job_id)
-    s = repo.get_sample(session, job_id, sample_id)
-    if s is None:
-        raise NotFound(f"sample {sample_id!r}")
-    if s.state != "succeeded":
-        raise ProblemError(409, f"sample {sample_id!r} is {s.state}, not stored")
-    layers = (job.model_info or {}).get("layers", [])
-    tensors = read_rows(job_dir(settings.output_root, job_id) / s.shard, s.shard_offset, s.num_tokens, layers)
-    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"sample_id": s.sample_id, "job_id": job_id})
+    sample, data = sample_tensors(session=session, job_id=job_id, sample_id=sample_id, output_root=settings.output_root)
     return Response(
         data,
         media_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="sample-{s.idx}.safetensors"'},
+        headers={"Content-Disposition": f'attachment; filename="sample-{sample.idx}.safetensors"'},
     )
 
 
@@ -485,11 +271,8 @@ def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, set
     summary="One sample, with every attempt and its outcome",
 )
 def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOut:
-    _job(session, job_id)
-    s = repo.get_sample(session, job_id, sample_id)
-    if s is None:
-        raise NotFound(f"sample {sample_id!r}")
-    return sample_out(s, repo.sample_attempts(session, s.pk))
+    sample = service.get_sample(session=session, job_id=job_id, sample_id=sample_id)
+    return sample_out(sample, repo.sample_attempts(session, sample.pk))
 
 
 @router.get(
@@ -498,7 +281,7 @@ def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOu
     summary="The job's manifest: model, layers, shards (with sha256) and where each sample lies",
 )
 def get_manifest(job_id: str, session: ReadSessionDep) -> dict:
-    return build_manifest(session, _job(session, job_id)).model_dump(mode="json")
+    return build_manifest(session, service.get_job(session=session, job_id=job_id)).model_dump(mode="json")
 
 
 RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -514,11 +297,7 @@ RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
     summary="Download one shard; supports Range, ETag (its sha256) and If-None-Match",
 )
 def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: SettingsDep, request: Request):
-    _job(session, job_id)
-    # Only names recorded in the database are served, so no path from the URL reaches the disk.
-    shard = repo.get_shard(session, job_id, name)
-    if shard is None:
-        raise NotFound(f"shard {name!r}")
+    shard, path = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
     etag = f'"{shard.sha256}"'
     headers = {"ETag": etag, "X-Content-SHA256": shard.sha256, "Cache-Control": "private, max-age=0"}
     if request.headers.get("if-none-match") in (etag, "*"):
@@ -527,12 +306,11 @@ def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: Setting
     if wanted is not None:
         m = RANGE.match(wanted.strip())
         if m and m.group(1) and int(m.group(1)) >= shard.bytes:
-            raise ProblemError(
+            raise HTTPException(
                 416,
                 f"range starts past the end of the {shard.bytes}-byte shard",
                 headers={"Content-Range": f"bytes */{shard.bytes}"},
             )
-    path = job_dir(settings.output_root, job_id) / shard.name
     return FileResponse(path, media_type="application/octet-stream", filename=shard.name, headers=headers)
 
 
@@ -546,19 +324,7 @@ def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: Setting
     summary="Cancel: queued samples are cancelled; the one in flight finishes and is stored",
 )
 def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOut:
-    with session.begin():
-        job = _job(session, job_id)
-        cancelled = repo.cancel_job(session, job_id)
-        if cancelled is None:
-            raise ProblemError(
-                409,
-                f"job is {job.state}; only queued or running jobs can be cancelled",
-                type_="/problems/invalid-transition",
-            )
-        # Nothing in flight: it ends now (else the writer ends it once its in-flight sample is stored).
-        finish_job(session, job_id, settings.output_root)
-        session.refresh(cancelled)
-        return job_out(cancelled)
+    return job_out(service.cancel_job(session=session, job_id=job_id, output_root=settings.output_root))
 
 
 @router.post(
@@ -567,16 +333,10 @@ def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOu
     responses=_problems(404, 409),
     summary="Queue the job's failed samples again, with a fresh attempt budget",
 )
-def retry_job(job_id: str, session: SessionDep, request: Request) -> JobOut:
-    with session.begin():
-        job = _job(session, job_id)
-        if repo.retry_failed(session, job_id) is None:
-            why = "it has no failed samples" if job.n_failed == 0 else f"it is {job.state}"
-            raise ProblemError(409, f"job cannot be retried: {why}", type_="/problems/invalid-transition")
-        session.refresh(job)
-        out = job_out(job)
-    _wake_writer(request)
-    return out
+def retry_job(job_id: str, session: SessionDep, writer: WriterDep) -> JobOut:
+    job = service.retry_job(session=session, job_id=job_id)
+    _wake(writer)
+    return job_out(job)
 
 
 @router.delete(
@@ -587,15 +347,7 @@ def retry_job(job_id: str, session: SessionDep, request: Request) -> JobOut:
     summary="Delete a finished job's records, and with delete_files=true its shards and manifest",
 )
 def delete_job(job_id: str, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:
-    with session.begin():
-        job = _job(session, job_id)
-        done = repo.delete_job(session, job_id)
-        if not done:
-            raise ProblemError(
-                409, f"job is {job.state}; cancel it or let it finish first", type_="/problems/invalid-transition"
-            )
-    if delete_files:
-        shutil.rmtree(job_dir(settings.output_root, job.id), ignore_errors=True)
+    service.delete_job(session=session, job_id=job_id, output_root=settings.output_root, delete_files=delete_files)
     return Response(status_code=204)
 
 
@@ -605,14 +357,4 @@ def delete_job(job_id: str, session: SessionDep, settings: SettingsDep, delete_f
     summary="Check every shard's sha256 and every sample's shapes, dtype and finite values",
 )
 def verify(job_id: str, session: ReadSessionDep, settings: SettingsDep) -> dict:
-    from hsx.verify import verify_job
-
-    job = _job(session, job_id)
-    folder = job_dir(settings.output_root, job.id)
-    if not (folder / "manifest.json").exists():
-        raise ProblemError(
-            409,
-            f"job is {job.state}; its manifest is written once it is finished",
-            type_="/problems/invalid-transition",
-        )
-    return verify_job(folder).to_dict()
+    return service.verify_job(session=session, job_id=job_id, output_root=settings.output_root)

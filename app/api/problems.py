@@ -1,4 +1,5 @@
-"""RFC 9457 problem details: every error the API returns is application/problem+json."""
+"""RFC 9457 problem details: every error the API returns is application/problem+json, the service's
+business errors (hsx.service.errors) as they describe themselves."""
 
 from __future__ import annotations
 
@@ -7,50 +8,11 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import InterfaceError, OperationalError
+from hsx.service.errors import InvalidInput, ServiceError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
-
-
-class ProblemError(Exception):
-    """A business error that carries its HTTP status and problem fields."""
-
-    def __init__(
-        self,
-        status: int,
-        detail: str,
-        *,
-        type_: str | None = None,
-        title: str | None = None,
-        headers: dict[str, str] | None = None,
-        **extra,
-    ):
-        super().__init__(detail)
-        self.status = status
-        self.headers = headers
-        self.detail = detail
-        self.type = type_ or f"/problems/{HTTPStatus(status).phrase.lower().replace(' ', '-')}"
-        self.title = title or HTTPStatus(status).phrase
-        self.extra = extra
-
-
-class InvalidInput(ProblemError):
-    def __init__(self, errors: list[dict], detail: str | None = None):
-        first = errors[0]
-        where = f"sample {first['sample_index']} " if first.get("sample_index") is not None else ""
-        super().__init__(
-            422,
-            detail or f"{len(errors)} invalid field(s); first: {where}{first['field']}: {first['message']}",
-            type_="/problems/invalid-input",
-            title="Invalid input",
-            errors=errors,
-        )
-
-
-class NotFound(ProblemError):
-    def __init__(self, what: str):
-        super().__init__(404, f"{what} not found")
 
 
 def problem_response(
@@ -58,19 +20,6 @@ def problem_response(
 ) -> JSONResponse:
     body = {"type": type_, "title": title, "status": status, "detail": detail, **extra}
     return JSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
-
-
-def errors_from_pydantic(errs) -> list[dict]:
-    """Pydantic errors as problem entries; a sample's errors name its index and field."""
-    errors = []
-    for err in errs:
-        loc = [p for p in err.get("loc", ()) if p != "body"]
-        entry: dict = {"field": ".".join(str(p) for p in loc) or "body", "message": err.get("msg", "invalid")}
-        if len(loc) >= 2 and loc[0] == "samples" and isinstance(loc[1], int):
-            entry["sample_index"] = loc[1]
-            entry["field"] = ".".join(str(p) for p in loc[2:]) or "sample"
-        errors.append(entry)
-    return errors or [{"field": "body", "message": "invalid request"}]
 
 
 PROBLEM_SCHEMA = {
@@ -100,13 +49,13 @@ PROBLEM_SCHEMA = {
 
 
 def install(app: FastAPI) -> None:
-    @app.exception_handler(ProblemError)
-    async def _problem(_: Request, exc: ProblemError):
+    @app.exception_handler(ServiceError)
+    async def _problem(_: Request, exc: ServiceError):
         return problem_response(exc.status, exc.title, exc.detail, exc.type, exc.headers, **exc.extra)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        err = InvalidInput(errors_from_pydantic(exc.errors()))
+        err = InvalidInput.from_pydantic(exc.errors())
         return problem_response(err.status, err.title, err.detail, err.type, **err.extra)
 
     @app.exception_handler(StarletteHTTPException)
@@ -119,7 +68,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
-    async def _database(_: Request, exc: Exception):
+    async def _database(_: Request, exc: DBAPIError):
         # A database that is restarting or unreachable is a temporary condition the client can
         # retry, not a server bug; nothing was stored (the transaction rolled back).
         return problem_response(

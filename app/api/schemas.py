@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import enum
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Annotated, Literal, overload
 
 from hsx.layers import check_layers
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+from hsx.states import JobState, SampleState
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetPydanticSchema,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import core_schema
 
-JobState = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
-SampleState = Literal["queued", "running", "staged", "succeeded", "failed", "cancelled"]
+
+def _one_of(states: type[enum.Enum]) -> GetPydanticSchema:
+    """Checked as one of the values, then made the member. The field's type stays `str` (which the
+    members are) so that FastAPI adds no component for the enum: the document lists the values where
+    a state is used, as it always has."""
+    values = core_schema.literal_schema([s.value for s in states])
+    return GetPydanticSchema(lambda _type, _handler: core_schema.no_info_after_validator_function(states, values))
+
+
+JobStateValue = Annotated[str, _one_of(JobState)]
+SampleStateValue = Annotated[str, _one_of(SampleState)]
 
 
 class SampleIn(BaseModel):
@@ -44,6 +65,7 @@ class JobCreate(BaseModel):
         return None if v is None else check_layers(v)
 
 
+
 class Counts(BaseModel):
     total: int
     queued: int
@@ -64,7 +86,7 @@ class JobOut(BaseModel):
     id: str
     object: Literal["job"] = "job"
     name: str | None
-    state: JobState
+    state: JobStateValue
     error: str | None = Field(description="why the job failed as a whole, e.g. the server captures other layers")
     waiting_reason: str | None = Field(None, description="why an active job makes no progress right now")
     created_at: datetime
@@ -106,7 +128,7 @@ class AttemptOut(BaseModel):
 class SampleOut(BaseModel):
     id: str
     index: int
-    state: SampleState
+    state: SampleStateValue
     expected_tokens: int
     observed_tokens: int | None
     attempts: int
@@ -128,6 +150,14 @@ class Health(BaseModel):
     database: str
     writer: dict | None = Field(description="this process's writer, when it runs one")
     writers: list[dict] = Field(default_factory=list, description="every writer that reported recently")
+
+
+@overload
+def utc(dt: datetime) -> datetime: ...
+
+
+@overload
+def utc(dt: None) -> None: ...
 
 
 def utc(dt: datetime | None) -> datetime | None:

@@ -1,5 +1,5 @@
 """Turn submitted samples into stored rows: inline JSON, a JSONL file under the input root, or an
-NDJSON request body streamed line by line.
+NDJSON body streamed line by line.
 
 Every sample is checked before the transaction commits; any error rolls the whole job back, so a
 refused request stores nothing. Errors name the sample index (and line) and the field.
@@ -11,16 +11,19 @@ import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Iterable, Iterator
 
 import numpy as np
-from hsx.api.problems import InvalidInput, ProblemError
 from hsx.api.schemas import SampleIn
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
+from hsx.service.errors import InsufficientStorage, InvalidInput, OutsideInputRoot
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    from _hashlib import HASH
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ERRORS = 50
@@ -150,7 +153,7 @@ class DiskCheck:
     mode: str  # refuse | warn | off
 
     def check(self, session: Session, needed: int) -> str | None:
-        """None when it fits; a warning text in warn mode; raises 507 in refuse mode."""
+        """None when it fits; a warning text in warn mode; raises InsufficientStorage in refuse mode."""
         if self.mode == "off":
             return None
         root = self.output_root
@@ -166,14 +169,7 @@ class DiskCheck:
         )
         if self.mode == "warn":
             return text
-        raise ProblemError(
-            507,
-            text,
-            type_="/problems/insufficient-storage",
-            needed_bytes=needed,
-            pending_bytes=pending,
-            free_bytes=free,
-        )
+        raise InsufficientStorage(text, needed=needed, pending=pending, free=free)
 
 
 def body_items(samples: list[SampleIn]) -> Iterator[tuple[int, SampleIn, dict]]:
@@ -217,10 +213,10 @@ def resolve_input_path(input_root: Path, relative: str) -> Path:
     root = Path(input_root).resolve()
     candidate = Path(relative)
     if candidate.is_absolute() or "\x00" in relative:
-        raise ProblemError(403, "input_path must be relative to the service's input root", field="input_path")
+        raise OutsideInputRoot("input_path must be relative to the service's input root")
     path = (root / candidate).resolve()
     if path != root and root not in path.parents:
-        raise ProblemError(403, "input_path points outside the service's input root", field="input_path")
+        raise OutsideInputRoot("input_path points outside the service's input root")
     if not path.is_file():
         raise InvalidInput([{"field": "input_path", "message": f"no file {relative!r} under the input root"}])
     return path
@@ -229,3 +225,16 @@ def resolve_input_path(input_root: Path, relative: str) -> Path:
 def file_lines(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
         yield from f
+
+
+async def split_lines(chunks: AsyncIterable[bytes], digest: HASH) -> AsyncIterator[bytes]:
+    """The lines of a streamed body, which also goes to `digest` as it arrives."""
+    rest = b""
+    async for chunk in chunks:
+        digest.update(chunk)
+        rest += chunk
+        *lines, rest = rest.split(b"\n")
+        for line in lines:
+            yield line
+    if rest:
+        yield rest

@@ -6,7 +6,7 @@ import threading
 import time
 
 import httpx
-from hsx.api.intake import Limits
+from hsx.service.intake import Limits
 
 TTL_S = 30.0
 FAILURE_TTL_S = 5.0

@@ -1,0 +1,85 @@
+"""The API's view of stored rows: jobs with their progress, samples with their attempts."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Sequence
+
+from hsx.api.schemas import AttemptOut, Counts, JobOut, SampleOut, Tokens, utc
+from hsx.db.models import AttemptRow, JobRow, SampleRow
+from hsx.states import JobState
+
+
+def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
+    """A job, its rate and ETA; `waiting` is why active jobs make no progress (see repo.waiting_reason)."""
+    rate = eta = None
+    started = utc(job.started_at)
+    if started is not None:
+        end = utc(job.finished_at) or datetime.now(timezone.utc)
+        elapsed = (end - started).total_seconds()
+        extracted = job.tokens_done + job.tokens_staged
+        if elapsed > 0 and extracted:
+            rate = extracted / elapsed
+            eta = 0.0 if job.finished_at else (job.tokens_total - extracted) / rate
+    # Only a job with samples left to extract can be kept waiting by the writer.
+    extracting = job.state in (JobState.QUEUED, JobState.RUNNING) and (job.n_queued or job.n_running)
+    return JobOut(
+        id=job.id,
+        name=job.name,
+        state=job.state,
+        error=job.error,
+        created_at=utc(job.created_at),
+        waiting_reason=waiting if extracting else None,
+        started_at=started,
+        cancel_requested_at=utc(job.cancel_requested_at),
+        finished_at=utc(job.finished_at),
+        counts=Counts(
+            total=job.num_samples,
+            queued=job.n_queued,
+            running=job.n_running,
+            staged=job.n_staged,
+            succeeded=job.n_succeeded,
+            failed=job.n_failed,
+            cancelled=job.n_cancelled,
+        ),
+        tokens=Tokens(total=job.tokens_total, done=job.tokens_done, staged=job.tokens_staged),
+        rate_tokens_per_s=rate,
+        eta_s=eta,
+        shards_written=job.shards_written,
+        estimated_bytes=job.estimated_bytes,
+        disk_warning=job.disk_warning,
+        layers=job.layers,
+        model=job.model_info,
+        manifest_url=f"/v1/jobs/{job.id}/manifest",
+    )
+
+
+def sample_out(s: SampleRow, attempts: Sequence[AttemptRow] | None = None) -> SampleOut:
+    """A sample; with `attempts`, every attempt and its outcome too."""
+    log = None
+    if attempts is not None:
+        log = [
+            AttemptOut(
+                number=a.number,
+                outcome=a.outcome,
+                reason=a.reason,
+                started_at=utc(a.started_at),
+                finished_at=utc(a.finished_at),
+                dump=a.dump_key,
+                observed_tokens=a.observed_tokens,
+                boot_id=a.boot_id,
+            )
+            for a in attempts
+        ]
+    return SampleOut(
+        id=s.sample_id,
+        index=s.idx,
+        state=s.state,
+        expected_tokens=s.num_tokens,
+        observed_tokens=s.observed_tokens,
+        attempts=s.attempts,
+        last_error=s.last_error,
+        shard=s.shard,
+        offset=s.shard_offset,
+        attempt_log=log,
+    )

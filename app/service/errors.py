@@ -1,0 +1,106 @@
+"""Business errors, each with the HTTP status and RFC 9457 problem fields the API answers with."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+
+class ServiceError(Exception):
+    """A refused request: its status, the problem's type, title and detail, and extra members."""
+
+    def __init__(
+        self,
+        status: int,
+        detail: str,
+        *,
+        type_: str | None = None,
+        title: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ):
+        super().__init__(detail)
+        self.status = status
+        self.headers = headers
+        self.detail = detail
+        self.type = type_ or f"/problems/{HTTPStatus(status).phrase.lower().replace(' ', '-')}"
+        self.title = title or HTTPStatus(status).phrase
+        self.extra = extra
+
+
+class InvalidInput(ServiceError):
+    """Input that fails its checks; `errors` name each failing field (and sample, and line)."""
+
+    def __init__(self, errors: list[dict], detail: str | None = None):
+        first = errors[0]
+        where = f"sample {first['sample_index']} " if first.get("sample_index") is not None else ""
+        super().__init__(
+            422,
+            detail or f"{len(errors)} invalid field(s); first: {where}{first['field']}: {first['message']}",
+            type_="/problems/invalid-input",
+            title="Invalid input",
+            errors=errors,
+        )
+
+    @classmethod
+    def from_pydantic(cls, errs: Any) -> InvalidInput:
+        """Pydantic's errors as problem entries; a sample's errors name its index and field."""
+        errors = []
+        for err in errs:
+            loc = [p for p in err.get("loc", ()) if p != "body"]
+            entry: dict = {"field": ".".join(str(p) for p in loc) or "body", "message": err.get("msg", "invalid")}
+            if len(loc) >= 2 and loc[0] == "samples" and isinstance(loc[1], int):
+                entry["sample_index"] = loc[1]
+                entry["field"] = ".".join(str(p) for p in loc[2:]) or "sample"
+            errors.append(entry)
+        return cls(errors or [{"field": "body", "message": "invalid request"}])
+
+
+class NotFound(ServiceError):
+    def __init__(self, what: str):
+        super().__init__(404, f"{what} not found")
+
+
+class InvalidTransition(ServiceError):
+    """The action is not allowed in the job's present state."""
+
+    def __init__(self, detail: str):
+        super().__init__(409, detail, type_="/problems/invalid-transition")
+
+
+class NotStored(ServiceError):
+    """The sample has no stored rows (yet, or ever)."""
+
+    def __init__(self, sample_id: str, state: str):
+        super().__init__(409, f"sample {sample_id!r} is {state}, not stored")
+
+
+class IdempotencyKeyReused(ServiceError):
+    def __init__(self) -> None:
+        super().__init__(
+            422,
+            "this Idempotency-Key was already used with a different request",
+            type_="/problems/idempotency-key-reused",
+            field="Idempotency-Key",
+        )
+
+
+class OutsideInputRoot(ServiceError):
+    """An input_path that is absolute or leads out of the service's input root."""
+
+    def __init__(self, detail: str):
+        super().__init__(403, detail, field="input_path")
+
+
+class InsufficientStorage(ServiceError):
+    """The output volume cannot hold the new job on top of what active jobs still have to write."""
+
+    def __init__(self, detail: str, *, needed: int, pending: int, free: int):
+        super().__init__(
+            507,
+            detail,
+            type_="/problems/insufficient-storage",
+            needed_bytes=needed,
+            pending_bytes=pending,
+            free_bytes=free,
+        )
