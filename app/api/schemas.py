@@ -65,7 +65,6 @@ class JobCreate(BaseModel):
         return None if v is None else check_layers(v)
 
 
-
 class Counts(BaseModel):
     total: int
     queued: int
