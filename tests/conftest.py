@@ -1,4 +1,4 @@
-"""Shared fixtures: databases (SQLite file and the machine's real Postgres) and a tiny checkpoint."""
+"""Fixtures for every tier: databases (a SQLite file and the machine's real Postgres) and a tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import uuid
 import psycopg
 import pytest
 
-from tests.support.stack import Recompute, make_checkpoint
+# The helpers in tests/support assert too; pytest explains a failing assert only in modules it is
+# told about before they are imported.
+pytest.register_assert_rewrite("tests.support")
+
+from tests.support.stack import Recompute, make_checkpoint  # noqa: E402
 
 PG_ADMIN = os.environ.get("HSX_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
 

@@ -12,8 +12,8 @@ import torch
 from hsx.storage.manifest import load_manifest, read_sample
 from safetensors.torch import load
 
+from tests.support.samples import assert_stored_exactly, make_samples
 from tests.support.stack import VOCAB, start_reference, start_service
-from tests.test_extraction_e2e import assert_stored_exactly, make_samples
 
 
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
