@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # synthetic imports this module
+    from hsx.reference.synthetic import RowGather
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -25,16 +29,19 @@ def default_capture_layers(num_layers: int) -> list[int]:
     return sorted({i for i in wanted if 0 <= i <= num_layers})
 
 
-def as_tensor(t) -> torch.Tensor:
+# Captured layer -> [T, hidden] in the model dtype: a tensor, or in synthetic mode a lazy
+# synthetic.RowGather (shape, dtype, row slices, materialize(), buffers()) that the Dumper streams.
+HiddenStates = Mapping[int, "torch.Tensor | RowGather"]
+
+
+def as_tensor(t: torch.Tensor | RowGather) -> torch.Tensor:
     """A hidden-state value as a tensor: tensors as they are, lazy ones (synthetic.RowGather) gathered."""
     return t if isinstance(t, torch.Tensor) else t.materialize()
 
 
 @dataclass
 class ForwardResult:
-    # Captured layer -> [T, hidden] in the model dtype: a tensor, or in synthetic mode a lazy
-    # synthetic.RowGather (shape, dtype, row slices, materialize(), buffers()) that DumpWriter streams.
-    hidden_states: dict[int, torch.Tensor]
+    hidden_states: HiddenStates
     # Post-norm last layer [T, hidden], for return_hidden_states; a runner that would have to compute
     # it separately gives a function instead (final_hidden_fn), called only when a reply needs it.
     final_hidden: torch.Tensor | None
@@ -45,6 +52,8 @@ class ForwardResult:
     late_done: list[tuple[Path, float]] = field(default_factory=list)
 
     def last_hidden(self) -> torch.Tensor:
-        if self.final_hidden is None and self.final_hidden_fn is not None:
+        if self.final_hidden is None:
+            if self.final_hidden_fn is None:
+                raise ValueError("the runner gave neither final_hidden nor final_hidden_fn")
             self.final_hidden = self.final_hidden_fn()
         return self.final_hidden
