@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import httpx
+from hsx.states import JobState
 
-from tests.bench_throughput import proc_cpu_and_rss
-from tests.support.procs import Process, free_port, hsx_command
+from tests.support.procs import Process, free_port, hsx_command, proc_cpu_and_rss
 
 MiB = 1024 * 1024
 
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             cancel = c.post(f"{base}/v1/jobs/{job['id']}/cancel")
             cancel_s = time.perf_counter() - t
-            assert cancel.status_code == 200 and cancel.json()["state"] in ("cancelling", "cancelled"), cancel.text
+            assert cancel.status_code == 200, cancel.text
+            assert cancel.json()["state"] in (JobState.CANCELLING, JobState.CANCELLED), cancel.text
             cancelled = cancel.json()["counts"]["cancelled"]
         _, rss = proc_cpu_and_rss(svc.proc.pid)
         svc.stop()

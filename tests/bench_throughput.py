@@ -1,6 +1,6 @@
 """Throughput benchmark: the service against the first pipeline's bare loop, side by side.
 
-    python -m tests.bench_throughput                       # defaults below, about 4 minutes
+    python -m tests.bench_throughput                       # the defaults below
     python -m tests.bench_throughput --samples 60 --tokens 2000 --hidden 4096 --layers 4
 
 Runs, in one process tree on this machine, with a synthetic reference server (no model compute,
@@ -43,10 +43,11 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.atomic import fsync_path
 from safetensors.torch import load_file, save_file
 
-from tests.support.procs import Process, free_port, hsx_command
+from tests.support.procs import Process, free_port, hsx_command, proc_cpu_and_rss
 
 MiB = 1024 * 1024
 
@@ -74,20 +75,6 @@ def disk_write_rate(folder: Path, total_bytes: int) -> float:
         rates.append(blocks * len(block) / (time.perf_counter() - start))
         path.unlink()
     return max(rates)
-
-
-def proc_cpu_and_rss(pid: int) -> tuple[float, int]:
-    """CPU seconds (user + system) and peak RSS bytes of a running process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    cpu = (int(fields[11]) + int(fields[12])) / ticks
-    rss = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                rss = int(line.split()[1]) * 1024
-    return cpu, rss
 
 
 class Bench:
@@ -202,7 +189,7 @@ class Bench:
             job = c.post(svc_url + "/v1/jobs", content=body, headers={"content-type": "application/x-ndjson"}).json()
             while True:
                 state = c.get(f"{svc_url}/v1/jobs/{job['id']}").json()
-                if state["state"] in ("succeeded", "failed", "cancelled"):
+                if state["state"] in TERMINAL_JOB_STATES:
                     break
                 time.sleep(0.2)
         # The job's own finishing time, not when a poll saw it: polling often enough to be exact

@@ -1,14 +1,27 @@
-"""Shared fixtures: databases (SQLite file and the machine's real Postgres) and a tiny checkpoint."""
+"""Fixtures for every tier: databases (a SQLite file and the machine's real Postgres) and a tiny checkpoint."""
 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from tests.support.stack import Recompute, make_checkpoint
+# The helpers in tests/support assert too; pytest explains a failing assert only in modules it is
+# told about before they are imported.
+pytest.register_assert_rewrite("tests.support")
+
+# The SGLang plugin is its own distribution (deploy/sglang), not installed with hsx: its tests import
+# it from its source folder.
+PLUGIN_SOURCE = Path(__file__).resolve().parents[1] / "deploy" / "sglang"
+if str(PLUGIN_SOURCE) not in sys.path:
+    sys.path.insert(0, str(PLUGIN_SOURCE))
+
+from tests.support.sglang.wheels import SUPPORTED_SGLANG, sglang_wheel  # noqa: E402
+from tests.support.stack import Recompute, make_checkpoint  # noqa: E402
 
 PG_ADMIN = os.environ.get("HSX_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -67,3 +80,9 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def recompute(checkpoint):
     return Recompute(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def supported_wheel() -> Path:
+    """The wheel of the SGLang release the plugin supports (downloaded once, then cached)."""
+    return sglang_wheel(SUPPORTED_SGLANG)

@@ -214,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     # Imported here so `--help` and usage errors stay fast: torch and transformers take seconds to
     # import (and synthetic mode never imports transformers).
-    from hsx.reference.dumper import DumpWriter
+    from hsx.reference.dumper import Dumper
     from hsx.reference.faults import FaultInjector, PrefixCache
     from hsx.reference.server import Engine, ServerSettings, log, run_server
 
@@ -235,10 +235,10 @@ def main(args: argparse.Namespace) -> int:
     dump_root = Path(os.path.abspath(os.path.expanduser(args.dump_root)))
     dump_root.mkdir(parents=True, exist_ok=True)
     boot_id = uuid.uuid4().hex
-    writer = DumpWriter(dump_root, boot_id=boot_id, dtype_name=runner.dtype_name, hidden_size=runner.hidden_size)
+    dumper = Dumper(dump_root, boot_id=boot_id, dtype_name=runner.dtype_name, hidden_size=runner.hidden_size)
     engine = Engine(
         runner,
-        writer,
+        dumper,
         args.name_by,
         faults=FaultInjector() if args.enable_fault_injection else None,
         prefix_cache=PrefixCache() if args.enable_radix_cache else None,

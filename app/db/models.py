@@ -1,7 +1,7 @@
 """SQLAlchemy models: jobs, their samples, each sample's attempts, and written shards.
 
 The schema the service runs on is the one `alembic upgrade head` makes from migrations/;
-tests/test_migrations.py proves it equals these models.
+tests/integration/test_migrations.py proves it equals these models.
 """
 
 from __future__ import annotations

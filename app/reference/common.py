@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from hsx.dtypes import DTYPES as DTYPE_TABLE
 from hsx.dtypes import HIDDEN_STATE_DTYPES
+
+if TYPE_CHECKING:  # synthetic imports this module
+    from hsx.reference.synthetic import RowGather
 
 DTYPES: dict[str, torch.dtype] = {name: DTYPE_TABLE[name].torch for name in HIDDEN_STATE_DTYPES}
 
@@ -17,16 +21,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def as_tensor(t) -> torch.Tensor:
+# Captured layer -> [T, hidden] in the model dtype: a tensor, or in synthetic mode a lazy
+# synthetic.RowGather (shape, dtype, row slices, materialize(), buffers()) that the Dumper streams.
+HiddenStates = Mapping[int, "torch.Tensor | RowGather"]
+
+
+def as_tensor(t: torch.Tensor | RowGather) -> torch.Tensor:
     """A hidden-state value as a tensor: tensors as they are, lazy ones (synthetic.RowGather) gathered."""
     return t if isinstance(t, torch.Tensor) else t.materialize()
 
 
 @dataclass
 class ForwardResult:
-    # Captured layer -> [T, hidden] in the model dtype: a tensor, or in synthetic mode a lazy
-    # synthetic.RowGather (shape, dtype, row slices, materialize(), buffers()) that DumpWriter streams.
-    hidden_states: dict[int, torch.Tensor]
+    hidden_states: HiddenStates
     # Post-norm last layer [T, hidden], for return_hidden_states; a runner that would have to compute
     # it separately gives a function instead (final_hidden_fn), called only when a reply needs it.
     final_hidden: torch.Tensor | None
@@ -37,6 +44,8 @@ class ForwardResult:
     late_done: list[tuple[Path, float]] = field(default_factory=list)
 
     def last_hidden(self) -> torch.Tensor:
-        if self.final_hidden is None and self.final_hidden_fn is not None:
+        if self.final_hidden is None:
+            if self.final_hidden_fn is None:
+                raise ValueError("the runner gave neither final_hidden nor final_hidden_fn")
             self.final_hidden = self.final_hidden_fn()
         return self.final_hidden

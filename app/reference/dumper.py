@@ -1,4 +1,4 @@
-"""Write one dump directory per forward request, as /work/shared/dump-protocol.md (v1) specifies."""
+"""Write one dump directory per forward request, as dump protocol v1 specifies (README.md, "The dump directory")."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
+from hsx.reference.common import HiddenStates
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:  # synthetic mode's lazy tensors; the dumper never needs the module itself
+    from hsx.reference.synthetic import RowGather
 
 HIDDEN_STATES_FILE = "hidden_states.safetensors"
 INPUT_IDS_FILE = "input_ids.safetensors"
@@ -31,7 +36,7 @@ def input_ids_sha256(input_ids: Sequence[int]) -> str:
 
 def _tensor_buffers(t: torch.Tensor) -> list[memoryview]:
     t = t.detach().contiguous()
-    return [memoryview(t.reshape(-1).view(torch.uint8).numpy())] if t.numel() else []
+    return [t.reshape(-1).view(torch.uint8).numpy().data] if t.numel() else []
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
@@ -50,7 +55,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
                 rest = rest[os.write(fd, rest) :]
 
 
-def save_streamed(tensors: dict[str, object], path: Path) -> None:
+def save_streamed(tensors: Mapping[str, torch.Tensor | RowGather], path: Path) -> None:
     """Write a safetensors file from values that are tensors or lazy tensors with shape, dtype and
     buffers() (their bytes, row-major), without first building the data in memory."""
     header: dict[str, object] = {}
@@ -76,7 +81,7 @@ def save_streamed(tensors: dict[str, object], path: Path) -> None:
         os.close(fd)
 
 
-class DumpWriter:
+class Dumper:
     """Writes `<root>/req_<key>/`, one method per step so fault injection can override a single step."""
 
     def __init__(self, root: Path, *, boot_id: str, dtype_name: str, hidden_size: int):
@@ -95,7 +100,7 @@ class DumpWriter:
         rid: str,
         counter: int,
         input_ids: Sequence[int],
-        hidden_states: dict[int, torch.Tensor],
+        hidden_states: HiddenStates,
         cached_tokens: int = 0,
         done: bool = True,
     ) -> Path:
@@ -118,9 +123,9 @@ class DumpWriter:
         directory.mkdir(parents=True)
         return directory
 
-    def write_hidden_states(self, directory: Path, hidden_states: dict[int, torch.Tensor]) -> None:
-        if all(isinstance(t, torch.Tensor) for t in hidden_states.values()):
-            tensors = {f"layer_{i}": t.contiguous() for i, t in hidden_states.items()}
+    def write_hidden_states(self, directory: Path, hidden_states: HiddenStates) -> None:
+        tensors = {f"layer_{i}": t.contiguous() for i, t in hidden_states.items() if isinstance(t, torch.Tensor)}
+        if len(tensors) == len(hidden_states):
             save_file(tensors, str(directory / HIDDEN_STATES_FILE))
         else:  # synthetic mode's lazy row gathers
             save_streamed(

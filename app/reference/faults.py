@@ -72,8 +72,8 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from hsx.reference.common import as_tensor
-from hsx.reference.dumper import HIDDEN_STATES_FILE, DumpWriter
+from hsx.reference.common import HiddenStates, as_tensor
+from hsx.reference.dumper import HIDDEN_STATES_FILE, Dumper
 
 BAD_DUMP_KINDS = (
     "missing_layer",
@@ -290,17 +290,17 @@ def other_ids(input_ids: Sequence[int], vocab_size: int, shift: int = 1) -> list
     return [(t + shift) % vocab_size for t in input_ids]
 
 
-class BadDumpWriter(DumpWriter):
-    """The server's DumpWriter with one step's content made wrong; the steps' order is unchanged."""
+class BadDumper(Dumper):
+    """The server's Dumper with one step's content made wrong; the steps' order is unchanged."""
 
-    def __init__(self, base: DumpWriter, kind: str, vocab_size: int):
+    def __init__(self, base: Dumper, kind: str, vocab_size: int):
         super().__init__(base.root, boot_id=base.boot_id, dtype_name=base.dtype_name, hidden_size=base.hidden_size)
         if kind not in BAD_DUMP_KINDS:
             raise ValueError(f"unknown bad dump kind {kind!r}")
         self.kind = kind
         self.vocab_size = vocab_size
 
-    def write_hidden_states(self, directory: Path, hidden_states: dict[int, torch.Tensor]) -> None:
+    def write_hidden_states(self, directory: Path, hidden_states: HiddenStates) -> None:
         hs = {i: as_tensor(t) for i, t in hidden_states.items()}
         first = min(hs)
         if self.kind == "missing_layer":
@@ -365,10 +365,10 @@ class PrefixCache:
         with self._lock:
             node, n = self._root, 0
             for token in input_ids[:-1]:
-                node = node.get(token)
-                if node is None:
+                child = node.get(token)
+                if child is None:
                     break
-                n += 1
+                node, n = child, n + 1
             return n
 
     def insert(self, input_ids: Sequence[int]) -> None:

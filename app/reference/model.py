@@ -33,9 +33,10 @@ def _embedded_model(dtype: str) -> PreTrainedModel:
         torch.manual_seed(0)
         model = LlamaForCausalLM(embedded_config())
     # The weights are defined as their bf16 values, so every --dtype serves the same model.
-    model = model.to(torch.bfloat16)
+    model = model.bfloat16()
     if dtype != "auto":
-        model = model.to(DTYPES[dtype])
+        # PreTrainedModel.to is typed through functools.wraps, which mypy cannot call as a bound method.
+        model = model.to(DTYPES[dtype])  # type: ignore[arg-type]
     return model
 
 

@@ -18,9 +18,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from hsx.reference.common import ForwardResult
-from hsx.reference.dumper import DumpWriter
-from hsx.reference.faults import BadDumpWriter, FaultInjector, PrefixCache, SequencePlan, add_admin_routes, other_ids
+from hsx.reference.common import ForwardResult, HiddenStates
+from hsx.reference.dumper import Dumper
+from hsx.reference.faults import BadDumper, FaultInjector, PrefixCache, SequencePlan, add_admin_routes, other_ids
 from starlette.concurrency import run_in_threadpool
 
 if TYPE_CHECKING:  # the model module imports transformers, which synthetic mode never needs
@@ -77,7 +77,7 @@ class Engine:
     def __init__(
         self,
         runner: ModelRunner,
-        writer: DumpWriter,
+        dumper: Dumper,
         name_by: str,
         *,
         faults: FaultInjector | None = None,
@@ -86,7 +86,7 @@ class Engine:
         concurrent: bool = False,
     ):
         self.runner = runner
-        self.writer = writer
+        self.dumper = dumper
         self.name_by = name_by
         self.faults = faults
         self.prefix_cache = prefix_cache
@@ -97,6 +97,13 @@ class Engine:
         self._forward_lock = threading.Lock()
         self._rids_lock = threading.Lock()
         self._in_flight: set[str] = set()
+
+    @property
+    def injector(self) -> FaultInjector:
+        """The fault injector, where a fault is acted on: only an injector draws fault plans."""
+        if self.faults is None:
+            raise RuntimeError("fault injection is off")
+        return self.faults
 
     @contextmanager
     def claim_rids(self, rids: list[str]) -> Iterator[None]:
@@ -133,7 +140,7 @@ class Engine:
         """One sequence's forward and its dump(s); `cacheable` for /generate prompts, not health checks."""
         with nullcontext() if self.concurrent else self._forward_lock:
             if plan is not None and plan.crash:
-                self.faults.crash(rid)
+                self.injector.crash(rid)
             before = plan.foreign_before if plan is not None else 0
             after = plan.foreign_after if plan is not None else 0
             health_like = plan is not None and plan.health_like
@@ -149,11 +156,11 @@ class Engine:
     ) -> ForwardResult:
         counter = self._next_counter()
         started = time.monotonic()
-        use_cache = cacheable and self.prefix_cache is not None
-        cached = self.prefix_cache.match(input_ids) if use_cache else 0
+        cache = self.prefix_cache if cacheable else None
+        cached = cache.match(input_ids) if cache is not None else 0
         result = self.runner.run(input_ids, max_new_tokens)
-        if use_cache:
-            self.prefix_cache.insert(input_ids)
+        if cache is not None:
+            cache.insert(input_ids)
         result.cached_tokens = cached
         total = len(input_ids)
         step = self.chunked_prefill_size if self.chunked_prefill_size > 0 else total
@@ -184,15 +191,15 @@ class Engine:
         rid: str,
         counter: int,
         input_ids: list[int],
-        hidden: dict,
+        hidden: HiddenStates,
         cached: int,
         plan: SequencePlan | None,
         result: ForwardResult,
     ) -> None:
         bad = plan.bad_kind if plan is not None else None
         late = plan.late_done if plan is not None else None
-        writer = BadDumpWriter(self.writer, bad, self.runner.vocab_size) if bad else self.writer
-        directory = writer.write(
+        dumper = BadDumper(self.dumper, bad, self.runner.vocab_size) if bad else self.dumper
+        directory = dumper.write(
             key,
             rid=rid,
             counter=counter,
@@ -202,11 +209,11 @@ class Engine:
             done=late is None,
         )
         if bad:
-            self.faults.count(f"bad_dump.{bad}")
+            self.injector.count(f"bad_dump.{bad}")
             log(f"fault: req_{key} written as bad dump {bad}")
         if late is not None:
             result.late_done.append((directory, late))
-            self.faults.count("late_done" if late != float("inf") else "never_done")
+            self.injector.count("late_done" if late != float("inf") else "never_done")
 
     def _write_foreign(self, input_ids: list[int], j: int, *, health_like: bool) -> None:
         """Fault: a complete dump of someone else's request, with its own counter value."""
@@ -217,8 +224,8 @@ class Engine:
         counter = self._next_counter()
         result = self.runner.run(ids, 0)
         key = self._key(rid, counter)
-        self.writer.write(key, rid=rid, counter=counter, input_ids=ids, hidden_states=result.hidden_states)
-        self.faults.count("health_like_dump" if health_like else "foreign_dump")
+        self.dumper.write(key, rid=rid, counter=counter, input_ids=ids, hidden_states=result.hidden_states)
+        self.injector.count("health_like_dump" if health_like else "foreign_dump")
         log(f"fault: foreign dump req_{key} counter={counter} rid={rid} prompt={len(ids)}")
 
 
@@ -316,7 +323,7 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def create_app(engine: Engine, settings: ServerSettings, ready: threading.Event) -> FastAPI:
+def create_reference_app(engine: Engine, settings: ServerSettings, ready: threading.Event) -> FastAPI:
     runner = engine.runner
     faults = engine.faults
 
@@ -348,11 +355,11 @@ def create_app(engine: Engine, settings: ServerSettings, ready: threading.Event)
                 late_done.extend(result.late_done)
                 replies.append(_reply(rid, ids, result, hidden))
             if delay:
-                faults.count("delay")
+                engine.injector.count("delay")
                 log(f"fault: delaying the reply to rid(s) {req.rids} by {delay}s")
                 time.sleep(delay)
         if late_done:
-            faults.schedule_done(late_done)
+            engine.injector.schedule_done(late_done)
         return replies if req.is_batch else replies[0]
 
     @app.post("/generate")
@@ -405,7 +412,7 @@ def create_app(engine: Engine, settings: ServerSettings, ready: threading.Event)
                 "dump_root": str(settings.dump_root),
                 "name_by": settings.name_by,
                 "layers": runner.layers,
-                "boot_id": engine.writer.boot_id,
+                "boot_id": engine.dumper.boot_id,
                 "dtype": runner.dtype_name,
             },
         }
@@ -471,7 +478,7 @@ def run_server(engine: Engine, settings: ServerSettings) -> int:
     """Serve until SIGTERM/SIGINT (uvicorn handles both); 1 when the warm-up failed."""
     ready = threading.Event()
     failed = threading.Event()
-    app = create_app(engine, settings, ready)
+    app = create_reference_app(engine, settings, ready)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level="warning", access_log=False, timeout_graceful_shutdown=30
     )

@@ -21,7 +21,7 @@ later tokens, so a chunk or a cache-trimmed dump is a row slice of the full prom
 are finite, uniform in [-1, 1) before the cast (which may round some to 1).
 
 Producing a sample is a hash per token and a row gather per layer. The server does not even gather:
-its runner hands the dump writer lazy RowGather objects, and the writer streams the table's rows
+its runner hands the dumper lazy RowGather objects, and the dumper streams the table's rows
 straight into the file with os.writev, so a 2,000-token, 4-layer, hidden-4096 sample (64 MB) costs
 little more than the write itself.
 
@@ -111,7 +111,7 @@ def synthetic_hidden_states(
 class RowGather:
     """A [len(rows), hidden] tensor that is TABLE[rows], not yet gathered: what the server dumps.
 
-    The dump writer streams TABLE's rows straight into the file (buffers(), one os.writev per 1024
+    The dumper streams TABLE's rows straight into the file (buffers(), one os.writev per 1024
     rows), which skips building 64 MB of tensors for a 2,000-token sample of 4 layers at hidden 4096
     and roughly halves the time to dump it. Row slices (chunks, cache trims) stay lazy; anything else
     calls materialize().

@@ -29,14 +29,14 @@ def hsx_command() -> list[str]:
 class Process:
     """A child process whose output goes to a log file, stopped on exit."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None):
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "ab")
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True
         )
 
     def log(self) -> str:
@@ -68,3 +68,17 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._log.close()
+
+
+def proc_cpu_and_rss(pid: int) -> tuple[float, int]:
+    """CPU seconds (user + system) and peak RSS bytes of a running process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                rss = int(line.split()[1]) * 1024
+    return cpu, rss

@@ -1,13 +1,16 @@
-"""The real parts a user runs, started for tests: a tiny checkpoint, the reference server, the service."""
+"""The real parts a user runs, started for tests: a tiny checkpoint, the reference server, the service,
+and the two side by side."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import torch
+from hsx.states import TERMINAL_JOB_STATES
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tests.support.procs import Process, free_port, hsx_command
@@ -95,7 +98,7 @@ class Service:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             job = self.get(f"/v1/jobs/{job_id}").json()
-            if job["state"] in ("succeeded", "failed", "cancelled"):
+            if job["state"] in TERMINAL_JOB_STATES:
                 return job
             time.sleep(0.2)
         raise TimeoutError(f"job {job_id} still {job['state']} after {timeout}s: {job}\n{self.proc.log()[-3000:]}")
@@ -139,3 +142,37 @@ def start_service(
     if wait:
         proc.wait_http(url + "/healthz")
     return Service(url, output_root, input_root, database_url, proc)
+
+
+def start_stack(tmp: Path, checkpoint: Path, extra: list[str] | None = None):
+    """Reference server and service (SQLite) started side by side; returns once the writer is ready."""
+    port, dump_root = free_port(), tmp / "dumps"
+    svc = start_service(
+        tmp,
+        f"sqlite:///{tmp / 'hsx.db'}",
+        backend_url=f"http://127.0.0.1:{port}",
+        dump_root=dump_root,
+        extra=extra,
+        wait=False,
+    )
+    try:
+        ref = start_reference(tmp, checkpoint, dump_root=dump_root, port=port)
+    except BaseException:
+        svc.stop()
+        raise
+    try:
+        svc.proc.wait_http(svc.url + "/healthz", ok=lambda r: r.json().get("status") == "ok")
+    except BaseException:
+        svc.stop()
+        ref.stop()
+        raise
+    return svc, ref
+
+
+def stop_stack(*parts) -> None:
+    """Stop the service and the reference server side by side."""
+    threads = [threading.Thread(target=part.stop) for part in parts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

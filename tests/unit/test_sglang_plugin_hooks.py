@@ -25,8 +25,8 @@ from hsx_sglang import plugin
 from hsx_sglang.dumpdir import PLUGIN_INFO_FILE
 from hsx_sglang.settings import ENV_BOOT_ID, ENV_DUMP_ROOT
 
-from tests.sglang_plugin import standins
-from tests.sglang_plugin.standins import GenerationBatchResult, LogitsProcessorOutput, Req, ScheduleBatch
+from tests.support.sglang import standins
+from tests.support.sglang.standins import GenerationBatchResult, LogitsProcessorOutput, Req, ScheduleBatch
 
 HIDDEN = 8
 MODEL = standins.ModelConfig(num_hidden_layers=32, hidden_size=HIDDEN, dtype=torch.bfloat16)

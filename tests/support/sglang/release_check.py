@@ -20,7 +20,7 @@ from pathlib import Path
 from hsx_sglang import plugin
 from hsx_sglang.settings import DEFAULT_RID_PREFIX
 
-from tests.sglang_plugin import standins
+from tests.support.sglang import standins
 
 PLUGIN_PACKAGE = Path(plugin.__file__).resolve().parent
 README = PLUGIN_PACKAGE.parent / "README.md"

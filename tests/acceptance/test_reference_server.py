@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from hsx.layers import eagle3_capture_layers
-from hsx.reference.dumper import DumpWriter, input_ids_sha256
+from hsx.reference.dumper import Dumper, input_ids_sha256
 from hsx.reference.model import ModelRunner
 from hsx.reference.server import WARMUP_INPUT_IDS, BadRequest, Engine
 from safetensors.torch import load_file
@@ -380,21 +380,21 @@ def test_rid_mode_rejects_unsafe_rids(servers, rid):
 # In-process units: the pieces the subprocess tests cannot isolate.
 
 
-def test_dump_writer_creates_done_last(tmp_path):
+def test_dumper_creates_done_last(tmp_path):
     calls: list[tuple[str, set[str]]] = []
 
-    class Recording(DumpWriter):
+    class Recording(Dumper):
         def mark_done(self, directory: Path) -> None:
             calls.append(("mark_done", {p.name for p in directory.iterdir()}))
             super().mark_done(directory)
 
-    writer = Recording(tmp_path, boot_id="b", dtype_name="float32", hidden_size=2)
+    dumper = Recording(tmp_path, boot_id="b", dtype_name="float32", hidden_size=2)
     hidden = {2: torch.ones(3, 2), 0: torch.zeros(3, 2)}
     stale = tmp_path / "req_k"
     stale.mkdir()
     (stale / "done").touch()
     (stale / "layer_9.pt").touch()
-    directory = writer.write("k", rid="r", counter=5, input_ids=[1, 2, 3], hidden_states=hidden)
+    directory = dumper.write("k", rid="r", counter=5, input_ids=[1, 2, 3], hidden_states=hidden)
     assert calls == [("mark_done", DUMP_FILES - {"done"})]
     meta, tensors, ids = read_dump(directory)  # the stale layer_9.pt is gone
     assert meta["layers"] == [0, 2] and meta["counter"] == 5 and meta["boot_id"] == "b"
@@ -409,7 +409,7 @@ def test_input_ids_sha256_is_little_endian_int64():
 
 
 def test_rid_in_flight_is_rejected():
-    engine = Engine(runner=None, writer=None, name_by="rid")
+    engine = Engine(runner=None, dumper=None, name_by="rid")
     with engine.claim_rids(["a", "b"]), pytest.raises(BadRequest), engine.claim_rids(["c", "b"]):
         pass
     with engine.claim_rids(["b", "c"]):  # released on exit

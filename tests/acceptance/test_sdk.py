@@ -32,44 +32,10 @@ from hsx.sdk.errors import error_from_response
 from safetensors import safe_open
 
 from tests.support.procs import free_port
-from tests.support.stack import start_reference, start_service
-from tests.test_extraction_e2e import make_samples
+from tests.support.samples import make_samples
+from tests.support.stack import start_stack, stop_stack
 
 WRITE, READ = "sdk-writer", "sdk-reader"
-
-
-def start_stack(tmp: Path, checkpoint: Path, extra: list[str] | None = None):
-    """Reference server and service (SQLite) started side by side; returns once the writer is ready."""
-    port, dump_root = free_port(), tmp / "dumps"
-    svc = start_service(
-        tmp,
-        f"sqlite:///{tmp / 'hsx.db'}",
-        backend_url=f"http://127.0.0.1:{port}",
-        dump_root=dump_root,
-        extra=extra,
-        wait=False,
-    )
-    try:
-        ref = start_reference(tmp, checkpoint, dump_root=dump_root, port=port)
-    except BaseException:
-        svc.stop()
-        raise
-    try:
-        svc.proc.wait_http(svc.url + "/healthz", ok=lambda r: r.json().get("status") == "ok")
-    except BaseException:
-        svc.stop()
-        ref.stop()
-        raise
-    return svc, ref
-
-
-def stop_stack(*parts) -> None:
-    """Stop the service and the reference server side by side."""
-    threads = [threading.Thread(target=part.stop) for part in parts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from tests.sglang_plugin import release_check
-from tests.sglang_plugin.wheels import sglang_wheel
+from tests.support.sglang import release_check
+from tests.support.sglang.wheels import sglang_wheel
 
 
 def test_the_supported_release_has_everything_the_plugin_relies_on(supported_wheel: Path) -> None:

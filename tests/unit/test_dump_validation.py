@@ -1,6 +1,6 @@
 """The dump reader against real dump directories on disk (dump protocol v1, "What a reader must check").
 
-Well-formed dumps come from the reference writer (`DumpWriter`); every corruption is then made on
+Well-formed dumps come from the reference server's `Dumper`; every corruption is then made on
 disk, and each rejection is checked by its DumpRejected code.
 """
 
@@ -29,7 +29,7 @@ from hsx.backends.dumps import (
     read_meta,
     validate,
 )
-from hsx.reference.dumper import DumpWriter, input_ids_sha256
+from hsx.reference.dumper import Dumper, input_ids_sha256
 from hsx.storage.safetensors_raw import TensorSpan
 from hsx.storage.shards import NonFiniteSamples, ShardSample, write_shard
 from safetensors.torch import load_file, save_file
@@ -55,7 +55,7 @@ def make_dump(root: Path, key: str = "0", *, ids=IDS, dtype: str = "bfloat16", h
     """A well-formed dump written by the reference writer; returns (directory, tensors written)."""
     if hs is None:
         hs = hidden_states(getattr(torch, dtype), n=len(ids), hidden=hidden)
-    w = DumpWriter(root, boot_id="boot-1", dtype_name=dtype, hidden_size=hidden)
+    w = Dumper(root, boot_id="boot-1", dtype_name=dtype, hidden_size=hidden)
     d = w.write(key, rid=f"rid-{key}", counter=0, input_ids=ids, hidden_states=hs)
     return d, hs
 
@@ -85,7 +85,7 @@ def join_safetensors(path: Path, header: dict, data: bytes) -> None:
 
 def make_legacy_dump(root: Path, key: str, tensors: dict[int, object], *, dtype: str = "bfloat16") -> Path:
     """An older server's dump: meta.json plus one torch.save'd `layer_<i>.pt` per layer."""
-    w = DumpWriter(root, boot_id="boot-0", dtype_name=dtype, hidden_size=HIDDEN)
+    w = Dumper(root, boot_id="boot-0", dtype_name=dtype, hidden_size=HIDDEN)
     d = w.prepare_dir(key)
     for i, t in tensors.items():
         torch.save(t, d / f"layer_{i}.pt")

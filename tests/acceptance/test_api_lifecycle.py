@@ -14,8 +14,8 @@ from hsx.manifest import load_manifest, read_sample
 from safetensors import safe_open
 from safetensors.torch import load
 
+from tests.support.samples import assert_stored_exactly, make_samples
 from tests.support.stack import VOCAB, start_reference, start_service
-from tests.test_extraction_e2e import assert_stored_exactly, make_samples
 
 
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -14,8 +14,8 @@ import pytest
 from hsx.sdk import HsxClient, Unavailable
 
 from tests.support.procs import free_port
+from tests.support.samples import assert_stored_exactly, make_samples
 from tests.support.stack import start_reference, start_service
-from tests.test_extraction_e2e import assert_stored_exactly, make_samples
 
 
 def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):

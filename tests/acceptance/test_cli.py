@@ -22,8 +22,8 @@ from hsx.config import Settings
 from hsx.sdk import HsxClient
 
 from tests.support.procs import hsx_command
-from tests.test_extraction_e2e import make_samples
-from tests.test_sdk import start_stack, stop_stack
+from tests.support.samples import make_samples
+from tests.support.stack import start_stack, stop_stack
 
 WRITE, READ = "cli-writer", "cli-reader"
 CLIENT_COMMANDS = ["submit", "status", "jobs", "samples", "cancel", "retry", "delete", "manifest", "download"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from hsx.reference.dumper import DumpWriter, input_ids_sha256
+from hsx.reference.dumper import Dumper, input_ids_sha256
 from hsx.reference.server import WARMUP_INPUT_IDS
 from hsx.reference.synthetic import TABLE_ROWS, SyntheticRunner, synthetic_hidden_states
 from safetensors.torch import load_file
@@ -125,22 +125,22 @@ def test_deterministic_causal_and_varied():
 def test_speed_of_a_2000_token_sample(capsys):
     """Produce and write a 2,000-token, 4-layer, hidden-4096 bf16 sample (64 MB); print the figures.
 
-    Two ways: the server's (SyntheticRunner.run, whose lazy rows DumpWriter streams into the file) and
-    a caller's (synthetic_hidden_states' tensors, then DumpWriter). Both write the same file.
+    Two ways: the server's (SyntheticRunner.run, whose lazy rows Dumper streams into the file) and
+    a caller's (synthetic_hidden_states' tensors, then Dumper). Both write the same file.
     """
     ids = torch.randint(0, 32000, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
     runner = SyntheticRunner(layers=BIG_LAYERS)  # the defaults: hidden 4096, 32 layers, bfloat16
     root = _shm_dir("hsx-synth-speed-")
     times: dict[str, list[float]] = {"server": [], "tensors": []}
     try:
-        writer = DumpWriter(root, boot_id="speed", dtype_name="bfloat16", hidden_size=4096)
+        dumper = Dumper(root, boot_id="speed", dtype_name="bfloat16", hidden_size=4096)
         for n in range(5):
             t0 = time.perf_counter()
             result = runner.run(ids, 0)
-            writer.write(f"s{n}", rid="s", counter=n, input_ids=ids, hidden_states=result.hidden_states)
+            dumper.write(f"s{n}", rid="s", counter=n, input_ids=ids, hidden_states=result.hidden_states)
             t1 = time.perf_counter()
             hs = synthetic_hidden_states(ids, BIG_LAYERS, 4096, torch.bfloat16)
-            writer.write(f"t{n}", rid="t", counter=n, input_ids=ids, hidden_states=hs)
+            dumper.write(f"t{n}", rid="t", counter=n, input_ids=ids, hidden_states=hs)
             t2 = time.perf_counter()
             times["server"].append(1000 * (t1 - t0))
             times["tensors"].append(1000 * (t2 - t1))

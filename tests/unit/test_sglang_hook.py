@@ -25,7 +25,7 @@ from hsx_sglang.layers import eagle3_layers
 from hsx_sglang.settings import PluginSettings, SettingsError, settings_from_env
 from safetensors.torch import load_file
 
-from tests.sglang_plugin.standins import GenerationBatchResult, LogitsProcessorOutput, Req, ScheduleBatch
+from tests.support.sglang.standins import GenerationBatchResult, LogitsProcessorOutput, Req, ScheduleBatch
 
 NUM_LAYERS = 32
 HIDDEN = 8

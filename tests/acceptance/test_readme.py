@@ -15,9 +15,9 @@ import pytest
 from hsx.cli import build_parser
 from hsx.sdk import HsxClient
 
-from tests.test_sdk import start_stack, stop_stack
+from tests.support.stack import start_stack, stop_stack
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 MARKED = re.compile(r"<!-- tested: ([\w-]+)[^>]*-->\s*\n```(\w+)\n(.*?)\n```", re.S)
 
 

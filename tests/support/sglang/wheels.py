@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-WHEEL_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "sglang-wheels"
+WHEEL_CACHE = Path(__file__).resolve().parents[3] / ".cache" / "sglang-wheels"
 
 SUPPORTED_SGLANG = "0.5.23"
 # The wheels' sha256, as the package index served them: a re-uploaded file is a different release.

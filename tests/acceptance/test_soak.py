@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.soak import Soak, print_report
+from tests.support.soak import Soak, print_report
 
 
 def test_short_soak(tmp_path):

@@ -229,10 +229,10 @@ def test_admin_api_get_merge_reset(syn):
 
 def test_admin_api_is_off_by_default(tmp_path):
     # The existing test module's servers run without the flag; a quick in-process check suffices here.
-    from hsx.reference.server import Engine, ServerSettings, create_app
+    from hsx.reference.server import Engine, ServerSettings, create_reference_app
 
-    engine = Engine(runner=None, writer=None, name_by="rid")
-    app = create_app(engine, ServerSettings(dump_root=tmp_path, name_by="rid"), ready=None)
+    engine = Engine(runner=None, dumper=None, name_by="rid")
+    app = create_reference_app(engine, ServerSettings(dump_root=tmp_path, name_by="rid"), ready=None)
     assert not any(getattr(r, "path", "").startswith("/admin") for r in app.routes)
 
 
