@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 
 import httpx
@@ -14,6 +13,7 @@ from hsx.manifest import load_manifest, read_sample
 from safetensors import safe_open
 from safetensors.torch import load
 
+from tests.support.no_torch import block_torch, pythonpath_with, refused_imports, started_in
 from tests.support.samples import assert_stored_exactly, make_samples
 from tests.support.stack import VOCAB, start_reference, start_service
 
@@ -202,37 +202,13 @@ def test_downloads_events_and_metrics(stack, recompute):
     assert 'hsx_attempts_total{outcome="ok",reason=""}' in text and "hsx_tokens_per_second" in text
 
 
-# Put first on a server's path, it makes `import torch` fail there as if torch were not installed, and
-# notes that the process started with it and any attempt to import torch.
-NO_TORCH = """
-import os, sys
-
-here = os.path.dirname(os.path.abspath(__file__))
-open(os.path.join(here, f"started-{os.getpid()}"), "w").close()
-
-
-class _NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] != "torch":
-            return None
-        with open(os.path.join(here, f"torch-imports-{os.getpid()}"), "a") as f:
-            f.write(name + "\\n")
-        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-
-sys.meta_path.insert(0, _NoTorch())
-"""
-
-
 def test_tensors_are_served_without_torch(stack, tmp_path, monkeypatch):
     svc, _ = stack
     samples = make_samples(3, seed=40)
     job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
     assert job["state"] == "succeeded"
-    blocker = tmp_path / "no-torch"
-    blocker.mkdir()
-    (blocker / "sitecustomize.py").write_text(NO_TORCH)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(blocker), os.environ.get("PYTHONPATH")) if p))
+    blocker = block_torch(tmp_path / "no-torch")
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(blocker))
     # An API-only service on the same database and output root (start_service puts it under the folder given).
     api = start_service(svc.output_root.parent, svc.database_url, extra=["--no-writer"])
     try:
@@ -255,8 +231,8 @@ def test_tensors_are_served_without_torch(stack, tmp_path, monkeypatch):
         assert unknown.status_code == 404
     finally:
         api.stop()
-    assert (blocker / f"started-{api.proc.proc.pid}").exists()
-    assert not list(blocker.glob("torch-imports-*"))
+    assert started_in(blocker, api.proc.proc.pid)
+    assert refused_imports(blocker) == []
 
 
 def test_sample_ids_with_slashes_are_reachable(stack):

@@ -21,27 +21,13 @@ from hsx.cli.client.common import Progress
 from hsx.config import Settings
 from hsx.sdk import HsxClient
 
+from tests.support.no_torch import env_without_torch
 from tests.support.procs import hsx_command
 from tests.support.samples import make_samples
 from tests.support.stack import start_stack, stop_stack
 
 WRITE, READ = "cli-writer", "cli-reader"
 CLIENT_COMMANDS = ["submit", "status", "jobs", "samples", "cancel", "retry", "delete", "manifest", "download"]
-
-
-NO_TORCH = """\
-import sys
-
-
-class RefuseHeavyImports:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers"):
-            raise ModuleNotFoundError(f"No module named {name!r} (refused by the test)", name=name)
-        return None
-
-
-sys.meta_path.insert(0, RefuseHeavyImports())
-"""
 
 
 EVERY_HELP = """\
@@ -58,8 +44,7 @@ for argv in json.loads(sys.argv[1]):
 
 
 def test_every_help_works_without_torch(tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(NO_TORCH)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    env = env_without_torch(tmp_path / "site")
     blocked = subprocess.run(
         [sys.executable, "-c", "import torch"], capture_output=True, text=True, env=env, timeout=60
     )

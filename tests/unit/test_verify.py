@@ -14,6 +14,7 @@ from hsx.storage.safetensors_raw import read_index
 from hsx.verify import ShardRows, verify_job
 
 from tests.support.jobs import make_job, random_samples
+from tests.support.no_torch import env_without_torch
 
 
 @pytest.fixture
@@ -186,20 +187,6 @@ def test_reads_rows_a_chunk_at_a_time(job, monkeypatch):
     assert sum(n for key, n in reads if key == "layer_8") == sum(s.input_ids.shape[0] for s in job.samples)
 
 
-# Stands in for an install without torch (the service's): importing torch fails.
-NO_TORCH = """
-import sys
-
-
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, NoTorch())
-"""
 VERIFY = (
     "import sys; from hsx.cli import main; code = main(sys.argv[1:]); assert 'torch' not in sys.modules; sys.exit(code)"
 )
@@ -210,10 +197,7 @@ def test_verify_runs_without_torch(tmp_path, dtype):
     good = make_job(tmp_path / "good", dtype=dtype, num_samples=3)
     bad = make_job(tmp_path / "bad", dtype=dtype, num_samples=3)
     bad.set_value("s-1", 5, 1, 2, float("nan"))
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NO_TORCH)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    env = env_without_torch(tmp_path / "site")
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", *args], env=env, capture_output=True, text=True, timeout=120)
