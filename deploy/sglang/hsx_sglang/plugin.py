@@ -10,7 +10,7 @@ processes, the detokenizer). The hooks only fire in a scheduler process:
   has then waited for the batch's device results).
 
 Every SGLang name used here is checked against the released wheel by
-tests/sglang_plugin/test_release_check.py.
+tests/acceptance/test_sglang_release.py.
 """
 
 from __future__ import annotations
