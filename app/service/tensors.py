@@ -51,10 +51,8 @@ def cut_rows(shard: Path, names: list[str], start: int, count: int, *, metadata:
                 raise SafetensorsFormatError(
                     f"{shard.name}: {name} {list(span.shape)} has no rows {start}..{start + count}"
                 )
-            row_bytes = span.row_bytes
-            f.seek(span.start + start * row_bytes)
-            rows = f.read(count * row_bytes)
-            if len(rows) != count * row_bytes:
+            rows = span.read_rows(f.fileno(), start, start + count)
+            if len(rows) != count * span.row_bytes:
                 raise SafetensorsFormatError(f"{shard.name}: truncated tensor data")
             entries.append((name, span.dtype, (count, *span.shape[1:])))
             parts.append(rows)
