@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SOURCES = ("auto", "dumps", "response")
 
 
 class Settings(BaseSettings):
@@ -44,6 +46,13 @@ class Settings(BaseSettings):
         30.0, description="how long to wait for a dump's `done` marker after the model server replied"
     )
     request_timeout_s: float = Field(600.0, description="HTTP timeout for one /generate request")
+    source: str = Field(
+        "auto",
+        description="where hidden states come from: dumps (files in the dump root, from the hsx-sglang plugin or a "
+        "server that writes them), response (a stock SGLang's return_hidden_states answers, no plugin) or auto "
+        "(dumps when the server or an hsx-plugin.json in the dump root describes them, else response when the "
+        "server returns every prompt row, else dumps)",
+    )
     name_by: str = Field("auto", description="dump naming: auto (ask the server), counter or rid")
     max_json_bytes: int = Field(64 * 1024 * 1024, description="largest application/json request body")
     max_ndjson_bytes: int = Field(16 * 1024**3, description="largest streamed application/x-ndjson job body")
@@ -65,6 +74,13 @@ class Settings(BaseSettings):
         description="run the single writer for the dump root in this process; without it the process serves "
         "the API only, and another process must run the writer",
     )
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, value: str) -> str:
+        if value not in SOURCES:
+            raise ValueError(f"must be one of {', '.join(SOURCES)}")
+        return value
 
     def resolved_staging_dir(self) -> Path:
         if self.staging_dir is not None:

@@ -1,6 +1,6 @@
 """One sample's extraction against the server and its dump root, with no database involved.
 
-Counter-named dumps: clear the root (we own it), send one prefill-only request, wait for the
+Counter-named dumps: clear the root (we own it), send one request, wait for the
 single completed `req_*` that matches our ids, move it out, validate. Rid-named dumps: the
 request names its own directory, so only that directory is read.
 """
@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsx.backends.capture import Capture
 from hsx.backends.dumps import Dump, DumpRejected, DumpRoot, identity_mismatch, move_out, read_meta, validate
-from hsx.backends.sglang import SGLangClient
+from hsx.backends.sglang import GenerateResult, SGLangClient
 
 POLL_S = 0.005
 # With no dump still being written and every completed one rejected, waiting longer cannot help.
@@ -27,12 +28,23 @@ class Expectation:
     dtype: str | None = None
 
 
+def check_answer(result: GenerateResult, num_tokens: int) -> None:
+    """The answer must be for the whole prompt, none of it served from the prefix cache."""
+    if result.cached_tokens:
+        raise DumpRejected("cached_tokens", f"server served {result.cached_tokens} prompt tokens from its cache")
+    if result.prompt_tokens != num_tokens:
+        raise DumpRejected(
+            "server_token_count", f"server reports {result.prompt_tokens} prompt tokens, sample has {num_tokens}"
+        )
+
+
 class Extractor:
-    def __init__(self, client: SGLangClient, root: DumpRoot, staging: Path, *, name_by: str, dump_wait_s: float):
+    def __init__(self, client: SGLangClient, root: DumpRoot, staging: Path, capture: Capture, *, dump_wait_s: float):
         self.client = client
         self.root = root
         self.staging = staging
-        self.name_by = name_by
+        self.capture = capture
+        self.name_by = capture.name_by
         self.dump_wait_s = dump_wait_s
 
     def extract(self, input_ids: list[int], *, rid: str, staged_name: str, expect: Expectation) -> Dump:
@@ -45,14 +57,8 @@ class Extractor:
             shutil.rmtree(self.root.rid_dir(rid), ignore_errors=True)
         else:
             self.root.clear()
-        result = self.client.prefill(input_ids, rid)
-        if result.cached_tokens:
-            raise DumpRejected("cached_tokens", f"server served {result.cached_tokens} prompt tokens from its cache")
-        if result.prompt_tokens != len(input_ids):
-            raise DumpRejected(
-                "server_token_count",
-                f"server reports {result.prompt_tokens} prompt tokens, sample has {len(input_ids)}",
-            )
+        result = self.client.prefill(input_ids, rid, return_hidden_states=self.capture.return_hidden_states)
+        check_answer(result, len(input_ids))
         found, meta = self._find_rid(rid, input_ids) if self.name_by == "rid" else self._find_scan(input_ids)
         key = found.name
         dest = move_out(found, self.staging / staged_name)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
+
+STREAM_CHUNK_BYTES = 1 << 20
 
 
 class BackendUnavailable(Exception):
@@ -36,11 +40,15 @@ class SGLangClient:
             resp = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise BackendUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        self._raise_for_status(resp, method, path)
+        return resp
+
+    @staticmethod
+    def _raise_for_status(resp: httpx.Response, method: str, path: str) -> None:
         if resp.status_code in (502, 503, 504):
             raise BackendUnavailable(f"{method} {path}: HTTP {resp.status_code}")
         if resp.status_code >= 400:
             raise BackendRejected(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:500]}")
-        return resp
 
     def health(self) -> None:
         """Raises BackendUnavailable until the server says it is ready (SGLang: 503 while starting)."""
@@ -52,16 +60,50 @@ class SGLangClient:
     def server_info(self) -> dict:
         return self._request("GET", "/get_server_info").json()
 
-    def prefill(self, input_ids: list[int], rid: str) -> GenerateResult:
-        """One prefill-only forward (`max_new_tokens` 0): the request whose dump we collect."""
-        body = {"input_ids": input_ids, "rid": rid, "sampling_params": {"max_new_tokens": 0}}
-        data = self._request("POST", "/generate", json=body).json()
-        if isinstance(data, list):
-            data = data[0]
-        meta = data.get("meta_info", {})
-        return GenerateResult(
-            rid=str(meta.get("id", rid)),
-            prompt_tokens=int(meta.get("prompt_tokens", -1)),
-            cached_tokens=int(meta.get("cached_tokens", 0) or 0),
-            meta_info=meta,
-        )
+    def prefill(self, input_ids: list[int], rid: str, *, return_hidden_states: str | None = None) -> GenerateResult:
+        """The forward whose hidden states we collect: the prompt and one new token.
+
+        `max_new_tokens` is 1 because SGLang gives a request with 0 its prefill-only path (no hidden
+        states). The rid doubles as `extra_key`: unique per attempt, it keeps SGLang's prefix cache
+        from serving any of the prompt from an earlier request (`cached_tokens` says if it did).
+        """
+        data = self._request("POST", "/generate", json=generate_body(input_ids, rid, return_hidden_states)).json()
+        return parse_answer(data, rid)
+
+    @contextmanager
+    def generate_stream(self, input_ids: list[int], rid: str, return_hidden_states: str) -> Iterator[Iterator[bytes]]:
+        """The same request, its answer's body as a stream of chunks (hidden states can be gigabytes of JSON)."""
+        body = generate_body(input_ids, rid, return_hidden_states)
+        try:
+            with self._http.stream("POST", "/generate", json=body) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    self._raise_for_status(resp, "POST", "/generate")
+                yield self._chunks(resp)
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(f"POST /generate: {type(exc).__name__}: {exc}") from exc
+
+    @staticmethod
+    def _chunks(resp: httpx.Response) -> Iterator[bytes]:
+        yield from resp.iter_bytes(STREAM_CHUNK_BYTES)
+
+
+def generate_body(input_ids: list[int], rid: str, return_hidden_states: str | None) -> dict:
+    body: dict = {"input_ids": input_ids, "rid": rid, "extra_key": rid, "sampling_params": {"max_new_tokens": 1}}
+    if return_hidden_states is not None:
+        body["return_hidden_states"] = True if return_hidden_states == "full" else return_hidden_states
+    return body
+
+
+def parse_answer(data: object, rid: str) -> GenerateResult:
+    if isinstance(data, list) and len(data) == 1:
+        data = data[0]
+    meta = data.get("meta_info") if isinstance(data, dict) else None
+    if not isinstance(meta, dict):
+        raise BackendRejected(f"POST /generate: the answer has no meta_info: {str(data)[:200]}")
+    return GenerateResult(
+        rid=str(meta.get("id", rid)),
+        prompt_tokens=int(meta.get("prompt_tokens", -1)),
+        cached_tokens=int(meta.get("cached_tokens", 0) or 0),
+        meta_info=meta,
+    )

@@ -44,7 +44,24 @@ never; bad_dumps writes the dump with wrong content of `kind` (missing_layer, tr
 wrong_shape, wrong_dtype, nan, inf, wrong_num_tokens, wrong_ids, cached_tokens, missing_meta_field,
 bad_meta_json, or a list of them). Details: the docstring of app/reference/faults.py.
 --enable-radix-cache and --chunked-prefill-size change what the server does and reports, as in SGLang.
+
+Stock mode (--stock-sglang): behave as an unpatched SGLang 0.5.23 server launched with the same
+flags (--enable-return-aux-hidden-states --speculative-algorithm EAGLE3, --return-hidden-states-mode,
+--disable-radix-cache, ...): its /generate, warm-up, health checks and info endpoints, with the
+prefix cache on unless --disable-radix-cache. No dumps of its own: when the hsx-sglang plugin
+(deploy/sglang) is installed and HSX_DUMP_ROOT is set, the plugin's hook code writes them, fed
+with this model's tensors as SGLang feeds it. What still differs from SGLang: the docstring of
+app/reference/stock.py.
 """
+
+STOCK_FLAGS = (
+    "enable_return_aux_hidden_states",
+    "speculative_algorithm",
+    "return_aux_hidden_state_layer_ids",
+    "return_hidden_states_mode",
+    "disable_radix_cache",
+)
+LEGACY_FLAGS = ("dump_root", "layers", "enable_fault_injection", "enable_radix_cache", "synthetic")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dump-root",
         metavar="DIR",
-        default="/dev/shm/sglang_hs",
-        help="directory that receives one req_<key>/ per forward request; created if missing (default: %(default)s)",
+        default=None,
+        help="directory that receives one req_<key>/ per forward request; created if missing "
+        "(default: /dev/shm/sglang_hs)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=30000, help="TCP port to listen on (default: %(default)s)")
@@ -96,6 +114,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="honour return_hidden_states in /generate: meta_info.hidden_states gets the prompt's "
         "last-layer rows as float lists",
+    )
+
+    stock = parser.add_argument_group("stock mode: SGLang 0.5.23's own flags (see above)")
+    stock.add_argument(
+        "--stock-sglang",
+        action="store_true",
+        help="behave as stock SGLang 0.5.23; dumps only from the hsx-sglang plugin (HSX_DUMP_ROOT)",
+    )
+    stock.add_argument(
+        "--enable-return-aux-hidden-states",
+        action="store_true",
+        help="capture the three aux layers (the hidden states SGLang returns become them, side by side)",
+    )
+    stock.add_argument(
+        "--speculative-algorithm", default=None, metavar="NAME", help="with aux capture: the convention, EAGLE3"
+    )
+    stock.add_argument(
+        "--return-aux-hidden-state-layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="I",
+        help="aux layers in SGLang's numbering (HF layer I+1); default: EAGLE-3's",
+    )
+    stock.add_argument(
+        "--return-hidden-states-mode",
+        choices=("last", "full"),
+        default=None,
+        help="the most return_hidden_states a request may ask for (last: one row)",
+    )
+    stock.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="turn the prefix cache off (stock mode has it on, as SGLang does)",
     )
 
     synthetic = parser.add_argument_group("synthetic mode (benchmarks; no model compute)")
@@ -167,6 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+DEFAULT_DUMP_ROOT = "/dev/shm/sglang_hs"
 SYNTHETIC_DEFAULTS: dict[str, Any] = {
     "hidden_size": 4096,
     "num_layers": 32,
@@ -192,9 +245,25 @@ def _synthetic_runner(args: argparse.Namespace):
     )
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return [_flag(k) for k in names if getattr(args, k) not in (None, False)]
+
+
 def _usage_error(args: argparse.Namespace) -> str | None:
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         return "--chunked-prefill-size must be a positive number of tokens, or -1 for off"
+    if args.stock_sglang:
+        legacy = _given(args, LEGACY_FLAGS) + (["--name-by"] if args.name_by != "counter" else [])
+        if legacy:
+            return f"{legacy[0]} does not exist in stock mode (the hsx-sglang plugin's HSX_DUMP_ROOT sets the dumps)"
+    else:
+        stock = _given(args, STOCK_FLAGS)
+        if stock:
+            return f"{stock[0]} needs --stock-sglang"
     if args.synthetic:
         if args.model is not None:
             return "--model and --synthetic exclude each other"
@@ -214,6 +283,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     # Imported here so `--help` and usage errors stay fast: torch and transformers take seconds to
     # import (and synthetic mode never imports transformers).
+    if args.stock_sglang:
+        return _main_stock(args)
     from hsx.reference.dumper import Dumper
     from hsx.reference.faults import FaultInjector, PrefixCache
     from hsx.reference.server import Engine, ServerSettings, log, run_server
@@ -232,7 +303,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    dump_root = Path(os.path.abspath(os.path.expanduser(args.dump_root)))
+    dump_root = Path(os.path.abspath(os.path.expanduser(args.dump_root or DEFAULT_DUMP_ROOT)))
     dump_root.mkdir(parents=True, exist_ok=True)
     boot_id = uuid.uuid4().hex
     dumper = Dumper(dump_root, boot_id=boot_id, dtype_name=runner.dtype_name, hidden_size=runner.hidden_size)
@@ -268,3 +339,41 @@ def main(args: argparse.Namespace) -> int:
         + (f" faults: {', '.join(extras)}" if extras else "")
     )
     return run_server(engine, settings)
+
+
+def _main_stock(args: argparse.Namespace) -> int:
+    from hsx.reference.model import ModelRunner, load_model
+    from hsx.reference.server import log, serve
+    from hsx.reference.stock import WARMUP_INPUT_IDS, StockArgs, StockError, aux_layers, start_stock
+
+    stock = StockArgs(
+        model_path="",
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        skip_server_warmup=args.skip_server_warmup,
+        disable_radix_cache=args.disable_radix_cache,
+        chunked_prefill_size=args.chunked_prefill_size,
+        enable_return_hidden_states=args.enable_return_hidden_states,
+        return_hidden_states_mode=args.return_hidden_states_mode,
+        enable_return_aux_hidden_states=args.enable_return_aux_hidden_states,
+        speculative_algorithm=args.speculative_algorithm,
+        return_aux_hidden_state_layer_ids=args.return_aux_hidden_state_layer_ids,
+    )
+    try:
+        stock.check()
+        model, stock.model_path = load_model(args.model, args.dtype)
+        num_layers = int(model.config.num_hidden_layers)
+        runner = ModelRunner(model, stock.model_path, [*aux_layers(stock, num_layers), num_layers])
+        _, app_factory = start_stock(stock, runner)
+    except (StockError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    log(f"stock SGLang {stock.resolved()} model={runner.model_path} layers={runner.layers}")
+    return serve(
+        app_factory,
+        host=args.host,
+        port=args.port,
+        skip_server_warmup=args.skip_server_warmup,
+        warmup_ids=[t % runner.vocab_size for t in WARMUP_INPUT_IDS],
+    )

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 from hsx.backends.dumps import DumpRejected, DumpRoot
-from hsx.backends.extract import Expectation, Extractor
+from hsx.backends.extract import Expectation
 from hsx.backends.sglang import BackendRejected, BackendUnavailable
 from hsx.config import Settings
 from hsx.db import repository as repo
@@ -28,7 +28,7 @@ from hsx.extraction.database import Database
 from hsx.extraction.disk import DISK_RETRY_S, DiskPause
 from hsx.extraction.flusher import ShardFlusher
 from hsx.extraction.metrics import WriterMetrics
-from hsx.extraction.server_watch import ServerWatch
+from hsx.extraction.server_watch import SampleExtractor, ServerWatch
 from hsx.extraction.status import StatusReport
 from sqlalchemy.orm import Session
 
@@ -81,7 +81,7 @@ class RequestLoop:
         if extractor is None:
             self.stop.wait(self.server.backoff.next())
             return False
-        if slot > 0 and extractor.name_by != "rid":
+        if slot > 0 and not extractor.capture.concurrent:
             self.stop.wait(1.0)  # counter naming needs the root to itself: one request at a time
             return False
         if self.pause.reason:
@@ -109,7 +109,7 @@ class RequestLoop:
         self.flusher.settle(claimed.job_id)
         return True
 
-    def _extractor(self) -> Extractor | None:
+    def _extractor(self) -> SampleExtractor | None:
         """The extractor for the model server, None while it cannot take requests; what a check of
         the server finds becomes the writer's status."""
         extractor, verdict = self.server.ensure()
@@ -121,7 +121,8 @@ class RequestLoop:
 
     def _refuse_job(self, c: repo.Claimed) -> None:
         """The server captures other layers than the job asks for: fail the job, spend nothing."""
-        reason = f"wrong_layers: the job asks for layers {c.job_layers}, the server captures {self.server.layers}"
+        how = f" from {self.server.capture.how}" if self.server.capture is not None else ""
+        reason = f"wrong_layers: the job asks for layers {c.job_layers}, the server gives {self.server.layers}{how}"
 
         def refuse(s: Session) -> None:
             repo.release_interrupted(s, c, reason=reason)
@@ -130,9 +131,9 @@ class RequestLoop:
         self.db.run(refuse)
         log.warning("job %s refused: %s", c.job_id, reason)
 
-    def _process(self, c: repo.Claimed, extractor: Extractor) -> None:
+    def _process(self, c: repo.Claimed, extractor: SampleExtractor) -> None:
         ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
-        rid = f"hsx-{c.job_id}-{c.idx}-t{c.try_number}"
+        rid = f"{extractor.capture.rid_prefix}{c.job_id}-{c.idx}-t{c.try_number}"
         info = c.job_model_info or {}
         expect = Expectation(
             layers=info.get("layers", c.job_layers), hidden_size=info.get("hidden_size"), dtype=info.get("dtype")
@@ -197,8 +198,10 @@ class RequestLoop:
         # Only after the commit: a flush that started before it must not have swallowed this sample.
         self.flusher.staged(c.job_id, dump.nbytes)
 
-    def _sweep(self, extractor: Extractor) -> None:
-        if extractor.name_by != "rid" or time.monotonic() - self._swept_at < SWEEP_EVERY_S:
+    def _sweep(self, extractor: SampleExtractor) -> None:
+        if extractor.capture.source != "dumps" or extractor.capture.name_by != "rid":
+            return
+        if time.monotonic() - self._swept_at < SWEEP_EVERY_S:
             return
         self._swept_at = time.monotonic()
         cutoff = time.time() - SWEEP_AGE_S

@@ -14,32 +14,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsx.backends.capture import Capture, CaptureProblem, decide, read_plugin_info
 from hsx.backends.dumps import DumpRoot
 from hsx.backends.extract import Extractor
+from hsx.backends.response import ResponseExtractor
 from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
 from hsx.config import Settings
 from hsx.extraction.backoff import Backoff
 
 log = logging.getLogger("hsx.writer")
 
+# Hidden states from dumps in the dump root, or from the server's answers.
+SampleExtractor = Extractor | ResponseExtractor
+
 SERVER_RECHECK_S = 60.0
-
-
-def dump_breaking_settings(server_info: dict) -> list[str]:
-    """Reasons this server's settings would produce partial or split dumps (empty: fine)."""
-    problems = []
-    if server_info.get("disable_radix_cache") is False:
-        problems.append(
-            "the server's prefix (radix) cache is on, so dumps may miss cached prompt rows; "
-            "restart it with --disable-radix-cache"
-        )
-    chunk = server_info.get("chunked_prefill_size")
-    if isinstance(chunk, int) and chunk > 0:
-        problems.append(
-            f"the server splits prompts into chunks of {chunk} tokens (chunked prefill), so one "
-            "prompt would be dumped in pieces; restart it with --chunked-prefill-size -1"
-        )
-    return problems
 
 
 @dataclass(frozen=True)
@@ -58,9 +46,10 @@ class ServerWatch:
         self.root = root
         self.staging = staging
         # None until a check finds the server ready, and again from the moment it is seen to go away.
-        self.extractor: Extractor | None = None
+        self.extractor: SampleExtractor | None = None
         self.model_info: dict = {}
         self.layers: list[int] | None = None  # the layers the server captures; None: not said
+        self.capture: Capture | None = None
         self.backoff = Backoff()
         self._boot_id: str | None = None
         self._outage = False
@@ -71,7 +60,7 @@ class ServerWatch:
     def usable(self) -> bool:
         return self.extractor is not None
 
-    def ensure(self) -> tuple[Extractor | None, ServerVerdict | None]:
+    def ensure(self) -> tuple[SampleExtractor | None, ServerVerdict | None]:
         """The extractor for the server as last checked, checking it first when that is due (none
         usable yet, or the last check older than SERVER_RECHECK_S); with the verdict of that check,
         None when no check ran."""
@@ -102,31 +91,42 @@ class ServerWatch:
         except (BackendUnavailable, BackendRejected) as exc:
             self.lost()
             return ServerVerdict("waiting", f"model server not ready: {exc}")
-        problems = dump_breaking_settings(server_info)
-        if problems:
+        try:
+            capture = decide(
+                self.settings.source,
+                self.settings.name_by,
+                server_info,
+                model_info,
+                read_plugin_info(self.root.path),
+                self.root.path,
+            )
+        except CaptureProblem as exc:
             self.extractor = None
-            return ServerVerdict("refusing", "; ".join(problems))
-        dump = server_info.get("hs_dump") or {}
-        name_by = self.settings.name_by if self.settings.name_by != "auto" else dump.get("name_by", "counter")
-        boot_id = dump.get("boot_id")
+            return ServerVerdict("refusing", str(exc))
+        boot_id = capture.boot_id
         if self._boot_id and boot_id and boot_id != self._boot_id:
             log.warning("model server restarted (boot id %s -> %s); settings re-read", self._boot_id, boot_id)
         self._boot_id = boot_id
-        self.layers = [int(i) for i in dump["layers"]] if dump.get("layers") else None
+        self.capture = capture
+        self.layers = capture.layers
         self.model_info = {
             "model_path": model_info.get("model_path"),
             "num_hidden_layers": model_info.get("num_hidden_layers"),
             "vocab_size": model_info.get("vocab_size"),
         }
-        self.extractor = Extractor(
-            self.client, self.root, self.staging, name_by=name_by, dump_wait_s=self.settings.dump_wait_s
-        )
+        if capture.source == "response":
+            self.extractor = ResponseExtractor(self.client, self.staging, capture)
+        else:
+            self.extractor = Extractor(
+                self.client, self.root, self.staging, capture, dump_wait_s=self.settings.dump_wait_s
+            )
         self._outage = False
         self._checked_at = time.monotonic()
         self.backoff.reset()
         server = {
             "url": self.settings.backend_url,
-            "name_by": name_by,
+            "source": capture.source,
+            "name_by": capture.name_by if capture.source == "dumps" else None,
             "boot_id": boot_id,
             "model_path": model_info.get("model_path"),
             "layers": self.layers,

@@ -354,16 +354,17 @@ class PrefixCache:
     """--enable-radix-cache: a trie of the prompts served so far, like SGLang's radix cache.
 
     match() is how many leading tokens of a prompt some earlier prompt shares, capped at
-    len(prompt) - 1 because a forward needs at least one new token.
+    len(prompt) - 1 because a forward needs at least one new token. As in SGLang, a request's
+    `extra_key` namespaces the cache: prompts only match prompts sent with the same key.
     """
 
     def __init__(self) -> None:
-        self._root: dict[int, dict] = {}
+        self._roots: dict[str | None, dict[int, dict]] = {}
         self._lock = threading.Lock()
 
-    def match(self, input_ids: Sequence[int]) -> int:
+    def match(self, input_ids: Sequence[int], namespace: str | None = None) -> int:
         with self._lock:
-            node, n = self._root, 0
+            node, n = self._roots.get(namespace, {}), 0
             for token in input_ids[:-1]:
                 child = node.get(token)
                 if child is None:
@@ -371,15 +372,15 @@ class PrefixCache:
                 node, n = child, n + 1
             return n
 
-    def insert(self, input_ids: Sequence[int]) -> None:
+    def insert(self, input_ids: Sequence[int], namespace: str | None = None) -> None:
         with self._lock:
-            node = self._root
+            node = self._roots.setdefault(namespace, {})
             for token in input_ids:
                 node = node.setdefault(token, {})
 
     def clear(self) -> None:
         with self._lock:
-            self._root = {}
+            self._roots = {}
 
 
 def add_admin_routes(app: FastAPI, injector: FaultInjector) -> None:

@@ -7,8 +7,8 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager, nullcontext
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +60,28 @@ class GenerateRequest:
     is_batch: bool
     max_new_tokens: int
     return_hidden_states: bool
+    extra_keys: list[str | None]  # per sequence: SGLang's prefix-cache namespace
+
+
+class RidsInFlight:
+    """The rids of the requests being served: SGLang refuses a request whose rid is still in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight: set[str] = set()
+
+    @contextmanager
+    def claim(self, rids: list[str]) -> Iterator[None]:
+        with self._lock:
+            busy = [rid for rid in rids if rid in self._in_flight]
+            if busy:
+                raise BadRequest(f"Duplicate request ID detected: {busy[0]}")
+            self._in_flight.update(rids)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight.difference_update(rids)
 
 
 class Engine:
@@ -95,8 +117,7 @@ class Engine:
         self.counter = 0
         self._counter_lock = threading.Lock()
         self._forward_lock = threading.Lock()
-        self._rids_lock = threading.Lock()
-        self._in_flight: set[str] = set()
+        self.rids = RidsInFlight()
 
     @property
     def injector(self) -> FaultInjector:
@@ -105,19 +126,9 @@ class Engine:
             raise RuntimeError("fault injection is off")
         return self.faults
 
-    @contextmanager
-    def claim_rids(self, rids: list[str]) -> Iterator[None]:
+    def claim_rids(self, rids: list[str]) -> AbstractContextManager[None]:
         """Reserve the rids for one request; a rid already in flight would share its dump directory."""
-        with self._rids_lock:
-            busy = [rid for rid in rids if rid in self._in_flight]
-            if busy:
-                raise BadRequest(f"duplicate request id(s) already in flight: {busy}")
-            self._in_flight.update(rids)
-        try:
-            yield
-        finally:
-            with self._rids_lock:
-                self._in_flight.difference_update(rids)
+        return self.rids.claim(rids)
 
     def _next_counter(self) -> int:
         with self._counter_lock:
@@ -136,6 +147,7 @@ class Engine:
         *,
         plan: SequencePlan | None = None,
         cacheable: bool = False,
+        extra_key: str | None = None,
     ) -> ForwardResult:
         """One sequence's forward and its dump(s); `cacheable` for /generate prompts, not health checks."""
         with nullcontext() if self.concurrent else self._forward_lock:
@@ -146,21 +158,27 @@ class Engine:
             health_like = plan is not None and plan.health_like
             for j in range(before):
                 self._write_foreign(input_ids, j, health_like=health_like and j == 0)
-            result = self._forward(input_ids, max_new_tokens, rid, plan, cacheable)
+            result = self._forward(input_ids, max_new_tokens, rid, plan, cacheable, extra_key)
             for j in range(before, before + after):
                 self._write_foreign(input_ids, j, health_like=health_like and j == 0)
         return result
 
     def _forward(
-        self, input_ids: list[int], max_new_tokens: int, rid: str, plan: SequencePlan | None, cacheable: bool
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        rid: str,
+        plan: SequencePlan | None,
+        cacheable: bool,
+        extra_key: str | None,
     ) -> ForwardResult:
         counter = self._next_counter()
         started = time.monotonic()
         cache = self.prefix_cache if cacheable else None
-        cached = cache.match(input_ids) if cache is not None else 0
+        cached = cache.match(input_ids, extra_key) if cache is not None else 0
         result = self.runner.run(input_ids, max_new_tokens)
         if cache is not None:
-            cache.insert(input_ids)
+            cache.insert(input_ids, extra_key)
         result.cached_tokens = cached
         total = len(input_ids)
         step = self.chunked_prefill_size if self.chunked_prefill_size > 0 else total
@@ -233,7 +251,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_ids(ids: Any, where: str, vocab_size: int, max_len: int) -> list[int]:
+def check_ids(ids: Any, where: str, vocab_size: int, max_len: int) -> list[int]:
     if not isinstance(ids, list):
         raise BadRequest(f"{where} must be a list of token ids")
     if not ids:
@@ -263,7 +281,7 @@ def parse_generate(body: Any, runner: ModelRunner, name_by: str) -> GenerateRequ
     seqs = raw if is_batch else [raw]
     max_len = runner.max_position_embeddings
     sequences = [
-        _check_ids(ids, f"input_ids[{n}]" if is_batch else "input_ids", runner.vocab_size, max_len)
+        check_ids(ids, f"input_ids[{n}]" if is_batch else "input_ids", runner.vocab_size, max_len)
         for n, ids in enumerate(seqs)
     ]
 
@@ -291,6 +309,15 @@ def parse_generate(body: Any, runner: ModelRunner, name_by: str) -> GenerateRequ
                 f"rid {unsafe[0]!r} cannot name a dump directory: use 1-200 of [A-Za-z0-9._-], not starting with '.'"
             )
 
+    max_new_tokens = parse_max_new_tokens(body)
+    return_hidden_states = body.get("return_hidden_states", False)
+    if not isinstance(return_hidden_states, bool):
+        raise BadRequest("return_hidden_states must be a boolean")
+    extra_keys = parse_extra_keys(body.get("extra_key"), len(sequences), is_batch)
+    return GenerateRequest(sequences, rids, is_batch, max_new_tokens, return_hidden_states, extra_keys)
+
+
+def parse_max_new_tokens(body: dict) -> int:
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise BadRequest("sampling_params must be an object")
@@ -299,10 +326,16 @@ def parse_generate(body: Any, runner: ModelRunner, name_by: str) -> GenerateRequ
         max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise BadRequest(f"sampling_params.max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    return_hidden_states = body.get("return_hidden_states", False)
-    if not isinstance(return_hidden_states, bool):
-        raise BadRequest("return_hidden_states must be a boolean")
-    return GenerateRequest(sequences, rids, is_batch, max_new_tokens, return_hidden_states)
+    return max_new_tokens
+
+
+def parse_extra_keys(raw: Any, n: int, is_batch: bool) -> list[str | None]:
+    """SGLang's `extra_key`: one string for every sequence, or a batch's list of one per sequence."""
+    if raw is None or isinstance(raw, str):
+        return [raw] * n
+    if is_batch and isinstance(raw, list) and len(raw) == n and all(isinstance(k, str) for k in raw):
+        return list(raw)
+    raise BadRequest("extra_key must be a string, or for a batch a list of one string per sequence")
 
 
 def _reply(rid: str, prompt: list[int], result: ForwardResult, hidden: bool) -> dict:
@@ -347,11 +380,11 @@ def create_reference_app(engine: Engine, settings: ServerSettings, ready: thread
         late_done: list[tuple[Path, float]] = []
         with engine.claim_rids(req.rids):
             replies = []
-            for rid, ids in zip(req.rids, req.sequences):
+            for rid, ids, extra_key in zip(req.rids, req.sequences, req.extra_keys):
                 # Decoding stops at the context length, as in SGLang.
                 n = min(req.max_new_tokens, runner.max_position_embeddings - len(ids))
                 plan = faults.plan_sequence() if faults is not None else None
-                result = engine.forward(ids, n, rid, plan=plan, cacheable=True)
+                result = engine.forward(ids, n, rid, plan=plan, cacheable=True, extra_key=extra_key)
                 late_done.extend(result.late_done)
                 replies.append(_reply(rid, ids, result, hidden))
             if delay:
@@ -443,7 +476,7 @@ def _loopback_url(host: str, port: int) -> str:
 
 
 def _warm_up(
-    server: uvicorn.Server, base_url: str, vocab_size: int, ready: threading.Event, failed: threading.Event
+    server: uvicorn.Server, base_url: str, warmup_ids: list[int], ready: threading.Event, failed: threading.Event
 ) -> None:
     """SGLang's warm-up: once serving, poll our own /get_model_info, then send one /generate."""
     try:
@@ -458,10 +491,7 @@ def _warm_up(
                 if time.monotonic() > deadline:
                     raise RuntimeError("/get_model_info did not answer 200")
                 time.sleep(0.1)
-            body = {
-                "input_ids": [t % vocab_size for t in WARMUP_INPUT_IDS],
-                "sampling_params": {"max_new_tokens": WARMUP_MAX_NEW_TOKENS},
-            }
+            body = {"input_ids": warmup_ids, "sampling_params": {"max_new_tokens": WARMUP_MAX_NEW_TOKENS}}
             response = client.post("/generate", json=body)
             response.raise_for_status()
     except (httpx.HTTPError, RuntimeError) as exc:
@@ -475,24 +505,41 @@ def _warm_up(
 
 
 def run_server(engine: Engine, settings: ServerSettings) -> int:
-    """Serve until SIGTERM/SIGINT (uvicorn handles both); 1 when the warm-up failed."""
+    """Serve the reference server's own API until SIGTERM/SIGINT; 1 when the warm-up failed."""
+    vocab_size = engine.runner.vocab_size
+    return serve(
+        lambda ready: create_reference_app(engine, settings, ready),
+        host=settings.host,
+        port=settings.port,
+        skip_server_warmup=settings.skip_server_warmup,
+        warmup_ids=[t % vocab_size for t in WARMUP_INPUT_IDS],
+    )
+
+
+def serve(
+    app_factory: Callable[[threading.Event], FastAPI],
+    *,
+    host: str,
+    port: int,
+    skip_server_warmup: bool,
+    warmup_ids: list[int],
+) -> int:
+    """Serve the app until SIGTERM/SIGINT (uvicorn handles both); 1 when the warm-up failed.
+    `app_factory` gets the event that is set once the server is ready (/health answers 200)."""
     ready = threading.Event()
     failed = threading.Event()
-    app = create_reference_app(engine, settings, ready)
+    app = app_factory(ready)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level="warning", access_log=False, timeout_graceful_shutdown=30
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=30
     )
     server = uvicorn.Server(config)
-    base_url = _loopback_url(settings.host, settings.port)
-    if settings.skip_server_warmup:
+    base_url = _loopback_url(host, port)
+    if skip_server_warmup:
         ready.set()
         log(f"{READY_MESSAGE} (warm-up skipped)")
     else:
         threading.Thread(
-            target=_warm_up,
-            args=(server, base_url, engine.runner.vocab_size, ready, failed),
-            name="warm-up",
-            daemon=True,
+            target=_warm_up, args=(server, base_url, warmup_ids, ready, failed), name="warm-up", daemon=True
         ).start()
     log(f"starting the HTTP server on {base_url}")
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would kill the process

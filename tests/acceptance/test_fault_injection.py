@@ -190,11 +190,8 @@ def test_unavailable_server_costs_no_attempt(stack):
     assert all(svc.get(f"/v1/jobs/{job['id']}/samples/{s['id']}").json()["attempts"] == 1 for s in items)
 
 
-@pytest.mark.parametrize(
-    "flags,needle", [(["--enable-radix-cache"], "radix"), (["--chunked-prefill-size", "16"], "chunk")]
-)
-def test_server_settings_that_break_dumps_are_refused(tmp_path, flags, needle):
-    proc, url = start_synthetic(tmp_path, *flags)
+def test_chunked_prefill_is_refused(tmp_path):
+    proc, url = start_synthetic(tmp_path, "--chunked-prefill-size", "16")
     svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=tmp_path / "dumps")
     try:
         job_id = svc.post_job({"samples": samples(2, seed=6, lengths=[40, 40])}).json()["id"]
@@ -203,12 +200,29 @@ def test_server_settings_that_break_dumps_are_refused(tmp_path, flags, needle):
         while not job["waiting_reason"] and time.monotonic() < deadline:
             time.sleep(0.2)
             job = svc.get(f"/v1/jobs/{job_id}").json()
-        assert needle in job["waiting_reason"], job
+        assert "--chunked-prefill-size -1" in job["waiting_reason"], job
         time.sleep(1)
         job = svc.get(f"/v1/jobs/{job_id}").json()
         assert job["counts"]["queued"] == 2 and job["tokens"]["done"] == 0, "nothing partial is stored"
         health = svc.get("/healthz").json()
         assert health["status"] == "degraded" and health["writer"]["state"] == "refusing"
+    finally:
+        svc.stop()
+        proc.stop()
+
+
+def test_a_prefix_cache_serves_nothing_to_requests_with_their_own_extra_key(tmp_path):
+    """Every request carries a unique extra_key, which namespaces the server's prefix cache: prompts
+    that extend earlier ones are still computed whole, at the first attempt."""
+    proc, url = start_synthetic(tmp_path, "--enable-radix-cache")
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=tmp_path / "dumps")
+    try:
+        items = samples(4, seed=7, lengths=[30] * 4)
+        items += [{"id": f"longer-{i}", "input_ids": s["input_ids"] + [5, 6]} for i, s in enumerate(items)]
+        job = run_job(svc, items)
+        assert job["state"] == "succeeded"
+        assert_exact(svc, job, items)
+        assert all(len(attempts(svc, job["id"], s["id"])) == 1 for s in items)
     finally:
         svc.stop()
         proc.stop()

@@ -15,6 +15,7 @@ import pytest
 from hsx.cli import build_parser
 from hsx.sdk import HsxClient
 
+from tests.support.sglang import release_check
 from tests.support.stack import start_stack, stop_stack
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -99,3 +100,27 @@ def test_command_line_examples_parse():
         argv = shlex.split(line.split("#")[0].split("|")[0])[1:]
         args = parser.parse_args(argv)
         assert args.command == argv[0]
+
+
+def test_running_with_sglang_commands_fit_the_release_and_hsx(supported_wheel):
+    """Both launch commands: every SGLang flag exists in the supported release, the plugin's entry
+    point and dump root are the ones hsx is told about, and every `hsx serve` line parses."""
+    blocks = [
+        b.replace("\\\n", " ") for b in re.findall(r"```bash\n(.*?)\n```", section("## Running with SGLang"), re.S)
+    ]
+    assert len(blocks) == 2, "one block with the plugin, one without"
+    have = release_check.cli_flags_of(supported_wheel)
+    parser = build_parser()
+    for block in blocks:
+        sglang = [ln for ln in block.splitlines() if "sglang.launch_server" in ln]
+        served = [ln for ln in block.splitlines() if ln.startswith("hsx serve ")]
+        assert len(sglang) == 1 and len(served) == 1, block
+        flags = re.findall(r"(?<!\S)(--[a-z0-9][a-z0-9-]*)", sglang[0])
+        assert flags and not [f for f in flags if f not in have], flags
+        args = parser.parse_args(shlex.split(served[0].split("&")[0])[1:])
+        assert args.command == "serve"
+        env = dict(re.findall(r"(?<!\S)([A-Z_]+)=(\S+)", sglang[0]))
+        if env:
+            assert env["SGLANG_PLUGINS"] == "hsx_dump" and env["HSX_DUMP_ROOT"] == args.dump_root
+        else:
+            assert args.dump_root is None, "without the plugin no dump root is needed"

@@ -326,7 +326,7 @@ def test_delay_outlasts_a_client_timeout(syn):
     assert_complete(slow)
     assert meta_of(slow)["rid"] == "slow"
     retry = syn.generate({"input_ids": [7, 8, 9], "rid": "slow"})
-    assert retry.status_code == 400 and "in flight" in retry.json()["error"]["message"]
+    assert retry.status_code == 400 and "Duplicate request ID detected" in retry.json()["error"]["message"]
     other = syn.generate({"input_ids": [7, 8, 9], "rid": "fast"})
     assert other.status_code == 200 and time.monotonic() - started < 1.5
     assert only_injected(syn) == {"delay": 1}

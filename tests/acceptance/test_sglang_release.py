@@ -40,6 +40,8 @@ def test_a_release_that_moves_a_name_fails_with_that_name(supported_wheel: Path,
             "sglang/srt/layers/logits_processor.py": ("last_hidden_states", "final_hidden_states"),
             "sglang/srt/managers/schedule_batch.py": ("inflight_middle_chunks", "chunks_in_flight"),
             "sglang/srt/arg_groups/fields/serving.py": ("skip_server_warmup", "no_server_warmup"),
+            "sglang/srt/managers/io_struct.py": ("extra_key", "cache_namespace"),
+            "sglang/srt/managers/tokenizer_manager.py": ("Duplicate request ID detected", "Request ID reused"),
             "sglang/srt/managers/scheduler_components/batch_result_processor.py": (
                 "def process_batch_result_prefill(",
                 "def process_prefill_batch_result(",
@@ -52,6 +54,8 @@ def test_a_release_that_moves_a_name_fails_with_that_name(supported_wheel: Path,
         "sglang.srt.managers.schedule_batch.Req.inflight_middle_chunks: missing",
         "sglang.launch_server --skip-server-warmup: no such flag",
         f"{release_check.plugin.PREFILL_TARGET}: missing",
+        "sglang.srt.managers.io_struct.GenerateReqInput.extra_key: missing",
+        "sglang.srt.managers.tokenizer_manager: a rid in flight is no longer refused",
     ):
         assert name in problems
 

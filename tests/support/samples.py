@@ -27,7 +27,9 @@ def make_samples(n: int, seed: int, lo: int = 3, hi: int = 90) -> list[dict]:
     return out
 
 
-def assert_stored_exactly(service, job: dict, samples: list[dict], recompute) -> Manifest:
+def assert_stored_exactly(
+    service, job: dict, samples: list[dict], recompute, layers: list[int] | None = None
+) -> Manifest:
     """Every sample stored once, in a shard whose sha256 matches, with exactly its own tensors."""
     assert job["state"] == JobState.SUCCEEDED, job
     assert job["counts"]["succeeded"] == len(samples)
@@ -35,7 +37,7 @@ def assert_stored_exactly(service, job: dict, samples: list[dict], recompute) ->
     job_dir = service.output_root / job["id"]
     manifest = load_manifest(job_dir)
     assert manifest.model_dump(mode="json") == service.get(f"/v1/jobs/{job['id']}/manifest").json()
-    assert manifest.layers == DEFAULT_LAYERS and manifest.dtype == "bfloat16"
+    assert manifest.layers == (layers or DEFAULT_LAYERS) and manifest.dtype == "bfloat16"
     for shard in manifest.shards:
         data = (job_dir / shard.name).read_bytes()
         assert len(data) == shard.bytes

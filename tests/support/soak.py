@@ -26,8 +26,10 @@ VOCAB = 1000
 
 
 class Soak:
-    def __init__(self, work: Path, database_url: str, seed: int):
+    def __init__(self, work: Path, database_url: str, seed: int, prefill_us_per_token: float = 0.0):
         self.work = work
+        # Simulated prefill time: a short run needs to last long enough for a few dozen disturbances.
+        self.prefill_us_per_token = prefill_us_per_token
         self.database_url = database_url
         self.rng = random.Random(seed)
         self.ref_port, self.svc_port = free_port(), free_port()
@@ -62,6 +64,8 @@ class Soak:
             "--port",
             str(self.ref_port),
             "--enable-fault-injection",
+            "--prefill-us-per-token",
+            str(self.prefill_us_per_token),
         ]
         self.ref = Process(args, self.work / "reference.log")
         self.ref.wait_http(self.ref_url + "/health")

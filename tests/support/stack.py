@@ -3,6 +3,7 @@ and the two side by side."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tests.support.procs import Process, free_port, hsx_command
 
+PLUGIN_SOURCE = Path(__file__).resolve().parents[2] / "deploy" / "sglang"
 # Eight decoder layers make EAGLE-3's default capture [2, L//2, L-3, L] four distinct layers.
 NUM_LAYERS = 8
 VOCAB = 320
@@ -74,6 +76,22 @@ def start_reference(
     if checkpoint is not None:
         args += ["--model", str(checkpoint)]
     proc = Process(args + (extra or []), tmp / f"reference-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_http(url + "/health")
+    return RefServer(url, dump_root, proc)
+
+
+def start_stock_sglang(
+    tmp: Path, checkpoint: Path, *, dump_root: Path | None = None, port: int | None = None, flags: list[str]
+) -> RefServer:
+    """The reference server as stock SGLang 0.5.23 launched with `flags`; with `dump_root`, the
+    hsx-sglang plugin (imported from deploy/sglang) writes dumps there, as HSX_DUMP_ROOT tells it."""
+    port = port or free_port()
+    args = hsx_command() + ["reference-server", "--stock-sglang", "--model", str(checkpoint), "--port", str(port)]
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_SOURCE), os.environ.get("PYTHONPATH")]))}
+    if dump_root is not None:
+        env["HSX_DUMP_ROOT"] = str(dump_root)
+    proc = Process(args + flags, tmp / f"stock-sglang-{port}.log", env=env)
     url = f"http://127.0.0.1:{port}"
     proc.wait_http(url + "/health")
     return RefServer(url, dump_root, proc)

@@ -65,14 +65,21 @@ class SchedulerHooks:
         """AFTER hook on the processor's constructor. A failure leaves the server serving, undumped."""
         if self._started:
             return
-        self._started = True
         try:
             from sglang.srt.runtime_context import get_exec, get_parallel
 
-            self.rank = int(get_parallel().attn_tp_rank)
-            self.capture = self._start(processor, get_exec().features)
+            self.start(processor, get_exec().features, int(get_parallel().attn_tp_rank))
         except Exception:
             log.exception("hsx-sglang: could not start; idle, no dumps")
+
+    def start(self, processor: Any, features: Any, rank: int) -> None:
+        """Start this process's capture from the processor and SGLang's execution features (its
+        `aux_hidden_state_capture` and `return_aux_hidden_state_layer_ids`); once per process."""
+        if self._started:
+            return
+        self._started = True
+        self.rank = rank
+        self.capture = self._start(processor, features)
 
     def _start(self, processor: Any, features: Any) -> PrefillCapture | None:
         layers, problem = captured_layers(processor, features)

@@ -66,6 +66,11 @@ class WheelSource:
     def files_under(self, folder: str) -> Iterator[str]:
         return (n for n in sorted(self._names) if n.startswith(folder) and n.endswith(".py"))
 
+    def text(self, module: str) -> str:
+        """A module's source, empty when the wheel lacks it."""
+        name = self.file_of(module)
+        return "" if name is None else self._zip.read(name).decode()
+
     def parse_file(self, name: str) -> ast.Module:
         return ast.parse(self._zip.read(name), filename=name)
 
@@ -101,6 +106,8 @@ def problems(wheel: Path) -> list[str]:
             _health_check_rid,
             _launch_flags,
             _imports,
+            _service_requests,
+            _answers,
         ):
             found.extend(check(src))
         return found
@@ -332,6 +339,71 @@ def _imports(src: WheelSource) -> list[str]:
     return out
 
 
+# What hsx's service sends and reads (hsx.backends.sglang, hsx.backends.capture, hsx.backends.response).
+REQUEST_FIELDS = ("input_ids", "rid", "extra_key", "return_hidden_states", "sampling_params")
+SERVER_INFO_FIELDS = (
+    "--model-path",
+    "--dtype",
+    "--chunked-prefill-size",
+    "--disable-radix-cache",
+    "--enable-return-hidden-states",
+    "--return-hidden-states-mode",
+    "--enable-return-aux-hidden-states",
+    "--return-aux-hidden-state-layer-ids",
+)
+ROUTES = ("/generate", "/health", "/get_model_info", "/get_server_info")
+META_INFO_KEYS = ("id", "prompt_tokens", "cached_tokens", "hidden_states")
+
+
+def _service_requests(src: WheelSource) -> list[str]:
+    """The request fields hsx sends, the server arguments it reads from /get_server_info (server
+    arguments are reported by field name, each field being a flag), and the routes it calls."""
+    out = []
+    io = src.tree("sglang.srt.managers.io_struct")
+    cls = None if io is None else _class(io, "GenerateReqInput")
+    if cls is None:
+        return ["sglang.srt.managers.io_struct.GenerateReqInput: missing"]
+    fields = _assigned_names(cls)
+    out += [f"sglang.srt.managers.io_struct.GenerateReqInput.{f}: missing" for f in REQUEST_FIELDS if f not in fields]
+    if 'f"{self.rid}_{i}"' not in ast.unparse(cls).replace("'", '"'):
+        out.append("sglang.srt.managers.io_struct.GenerateReqInput: a batch's string rid no longer becomes {rid}_{i}")
+    have = cli_flags(src)
+    out += [f"sglang.launch_server {flag}: no such flag" for flag in SERVER_INFO_FIELDS if flag not in have]
+    text = src.text("sglang.srt.entrypoints.http_server")
+    out += [f"sglang.srt.entrypoints.http_server {r}: no such route" for r in ROUTES if f'"{r}"' not in text]
+    if "result = server_args.resolved_dict()" not in src.text("sglang.srt.utils.common"):
+        out.append("sglang.srt.utils.common.build_server_info: no longer reports the resolved server arguments")
+    return out
+
+
+def _answers(src: WheelSource) -> list[str]:
+    """The answer's meta_info keys; a rid in flight refused; in mode full the prefill rows as one
+    nested list, cut to the completion's length (so max_new_tokens 0 returns none)."""
+    out = []
+    text = src.text("sglang.srt.managers.tokenizer_manager")
+    out += [
+        f"sglang.srt.managers.tokenizer_manager meta_info[{k!r}]: not answered"
+        for k in META_INFO_KEYS
+        if f'"{k}"' not in text
+    ]
+    if "Duplicate request ID detected" not in text:
+        out.append("sglang.srt.managers.tokenizer_manager: a rid in flight is no longer refused")
+    processor = src.tree("sglang.srt.managers.scheduler_components.batch_result_processor")
+    cls = None if processor is None else _class(processor, "SchedulerBatchResultProcessor")
+    append = None if cls is None else _method(cls, "_append_prefill_hidden_states")
+    if append is None or "req_hidden_states.cpu().clone().tolist()" not in ast.unparse(append):
+        out.append(
+            "SchedulerBatchResultProcessor._append_prefill_hidden_states: "
+            "mode full no longer answers the prefill rows as one list"
+        )
+    streamer = src.tree("sglang.srt.managers.scheduler_components.output_streamer")
+    if streamer is None or "hs = hs[:req.finished_len]" not in ast.unparse(streamer):
+        out.append(
+            "sglang.srt.managers.scheduler_components.output_streamer: hidden states no longer cut to finished_len"
+        )
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # the launch command's flags
 
@@ -345,6 +417,15 @@ def readme_launch_flags() -> list[str]:
             if "sglang.launch_server" in line:
                 flags += [f for f in re.findall(r"(?<!\S)(--[a-z0-9][a-z0-9-]*)", line) if f not in flags]
     return flags
+
+
+def cli_flags_of(wheel: Path) -> set[str]:
+    """The flags `python -m sglang.launch_server` of this wheel accepts."""
+    src = WheelSource(wheel)
+    try:
+        return cli_flags(src)
+    finally:
+        src.close()
 
 
 def cli_flags(src: WheelSource) -> set[str]:

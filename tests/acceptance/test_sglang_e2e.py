@@ -1,0 +1,97 @@
+"""Jobs end to end against stock SGLang 0.5.23's behaviour (the reference server's --stock-sglang), on
+SQLite and Postgres: through the hsx-sglang plugin's dumps, and through the answers of a server without
+the plugin. Every stored tensor must equal what transformers computes, bit for bit.
+
+The prefix cache stays on (SGLang's default) and some prompts extend others, so a request that did not
+carry its own `extra_key` would be served partly from the cache and rejected."""
+
+from __future__ import annotations
+
+import time
+
+from tests.support.samples import assert_stored_exactly, make_samples
+from tests.support.stack import NUM_LAYERS, start_service, start_stock_sglang, stop_stack
+
+AUX = [2, NUM_LAYERS // 2, NUM_LAYERS - 3]
+AUX_FLAGS = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
+
+
+def samples_sharing_prefixes(n: int, seed: int) -> list[dict]:
+    samples = make_samples(n, seed=seed)
+    for i, base in enumerate(samples[:3]):
+        samples.append({"id": f"longer-{seed}-{i}", "input_ids": base["input_ids"] + [7, 8, 9]})
+    return samples
+
+
+def attempts(svc, job: dict, samples: list[dict]) -> list[dict]:
+    return [svc.get(f"/v1/jobs/{job['id']}/samples/{s['id']}").json()["attempt_log"] for s in samples]
+
+
+def test_plugin_dumps_end_to_end(tmp_path, database_url, checkpoint, recompute):
+    dump_root = tmp_path / "dumps"
+    ref = start_stock_sglang(tmp_path, checkpoint, dump_root=dump_root, flags=AUX_FLAGS)
+    svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=dump_root)
+    try:
+        samples = samples_sharing_prefixes(9, seed=31)
+        job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
+        assert_stored_exactly(svc, job, samples, recompute)
+        logs = attempts(svc, job, samples)
+        assert all(log[-1]["dump"].startswith(f"req_hsx-{job['id']}-") for log in logs), logs
+        assert all(len(log) == 1 for log in logs), "no attempt was served from the prefix cache"
+        server = svc.get("/healthz").json()["writer"]["server"]
+        assert server["source"] == "dumps" and server["name_by"] == "rid" and server["layers"] == [*AUX, NUM_LAYERS]
+    finally:
+        stop_stack(svc, ref)
+
+
+def test_answers_without_the_plugin_end_to_end(tmp_path, database_url, checkpoint, recompute):
+    ref = start_stock_sglang(tmp_path, checkpoint, flags=AUX_FLAGS)
+    svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=tmp_path / "dumps")
+    try:
+        samples = samples_sharing_prefixes(7, seed=32)
+        job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
+        assert_stored_exactly(svc, job, samples, recompute, layers=AUX)
+        assert all(len(log) == 1 for log in attempts(svc, job, samples))
+        server = svc.get("/healthz").json()["writer"]["server"]
+        assert server["source"] == "response" and server["layers"] == AUX
+
+        # Layer L does not come with aux capture's answers: the job is refused with the reason.
+        wrong = svc.wait_job(svc.post_job({"samples": make_samples(2, seed=33), "layers": [*AUX, 8]}).json()["id"])
+        assert wrong["state"] == "failed"
+        failed = svc.get(f"/v1/jobs/{wrong['id']}/samples", params={"state": "failed"}).json()["data"]
+        assert failed and all("aux" in s["last_error"] and "wrong_layers" in s["last_error"] for s in failed), failed
+    finally:
+        stop_stack(svc, ref)
+
+
+def test_last_layer_from_the_answers_of_a_server_without_aux_capture(tmp_path, checkpoint, recompute):
+    ref = start_stock_sglang(tmp_path, checkpoint, flags=["--enable-return-hidden-states"])
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=ref.url, dump_root=tmp_path / "d")
+    try:
+        samples = make_samples(4, seed=34)
+        job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
+        assert_stored_exactly(svc, job, samples, recompute, layers=[NUM_LAYERS])
+    finally:
+        stop_stack(svc, ref)
+
+
+def test_a_server_without_hidden_states_or_plugin_is_waited_on_with_the_reason(tmp_path, checkpoint):
+    ref = start_stock_sglang(tmp_path, checkpoint, flags=["--skip-server-warmup"])
+    svc = start_service(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'hsx.db'}",
+        backend_url=ref.url,
+        dump_root=tmp_path / "d",
+        extra=["--source", "response"],
+    )
+    try:
+        job = svc.post_job({"samples": make_samples(1, seed=35)}).json()
+        deadline = time.monotonic() + 60
+        while not job["waiting_reason"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            job = svc.get(f"/v1/jobs/{job['id']}").json()
+        assert "--enable-return-hidden-states" in job["waiting_reason"], job
+        assert job["counts"]["queued"] == 1
+        assert svc.get("/healthz").json()["writer"]["state"] == "refusing"
+    finally:
+        stop_stack(svc, ref)

@@ -1,0 +1,114 @@
+"""Which way a model server gives hidden states (hsx.backends.capture), and the exact conversion of
+answered numbers to the model's dtype (hsx.backends.response.exact)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hsx.backends.capture import CaptureProblem, decide, read_plugin_info
+from hsx.backends.dumps import DumpRejected
+from hsx.backends.response import exact
+
+STOCK = {
+    "version": "0.5.23",
+    "dtype": "auto",
+    "disable_radix_cache": False,
+    "chunked_prefill_size": -1,
+    "enable_return_hidden_states": False,
+    "return_hidden_states_mode": None,
+    "enable_return_aux_hidden_states": False,
+    "return_aux_hidden_state_layer_ids": None,
+}
+AUX = {"enable_return_aux_hidden_states": True, "return_hidden_states_mode": "full"}
+PLUGIN = {"format": "hsx-plugin/1", "name_by": "rid", "rid_prefix": "run7-", "layers": [2, 16, 29, 32], "boot_id": "b"}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 32, "hidden_size": 4096, "torch_dtype": "bfloat16"})
+    )
+    return d
+
+
+def stock(model_dir: Path, **changes) -> dict:
+    return {**STOCK, "model_path": str(model_dir), **changes}
+
+
+def test_a_server_that_describes_its_dumps_is_read_as_it_says(tmp_path):
+    info = {"hs_dump": {"name_by": "rid", "layers": [2, 4, 5, 8], "boot_id": "x"}, "disable_radix_cache": True}
+    capture = decide("auto", "auto", info, {}, None, tmp_path)
+    assert (capture.source, capture.name_by, capture.layers, capture.boot_id) == ("dumps", "rid", [2, 4, 5, 8], "x")
+    assert capture.return_hidden_states is None and capture.rid_prefix == "hsx-"
+
+
+def test_a_server_that_says_nothing_is_a_patched_one_naming_by_counter(tmp_path):
+    capture = decide("auto", "auto", {}, {}, None, tmp_path)
+    assert (capture.source, capture.name_by, capture.layers, capture.concurrent) == ("dumps", "counter", None, False)
+
+
+def test_the_plugin_description_wins_over_the_answers(tmp_path, model_dir):
+    capture = decide("auto", "auto", stock(model_dir, **AUX), {}, PLUGIN, tmp_path)
+    assert (capture.source, capture.name_by, capture.layers) == ("dumps", "rid", [2, 16, 29, 32])
+    assert capture.rid_prefix == "run7-" and capture.return_hidden_states == "last" and capture.concurrent
+
+
+def test_a_plugin_description_beside_a_server_without_aux_capture_is_refused(tmp_path, model_dir):
+    with pytest.raises(CaptureProblem, match="--enable-return-aux-hidden-states"):
+        decide("auto", "auto", stock(model_dir, enable_return_hidden_states=True), {}, PLUGIN, tmp_path)
+
+
+def test_answers_give_the_aux_layers_or_the_last_one(tmp_path, model_dir):
+    aux = decide("auto", "auto", stock(model_dir, **AUX), {}, None, tmp_path)
+    assert (aux.source, aux.layers, aux.hidden_size, aux.dtype) == ("response", [2, 16, 29], 4096, "bfloat16")
+    explicit = decide(
+        "auto", "auto", stock(model_dir, **AUX, return_aux_hidden_state_layer_ids=[1, 15, 28]), {}, None, tmp_path
+    )
+    assert explicit.layers == [2, 16, 29], "SGLang's ids name the layer whose input is taken: HF layer id + 1"
+    last = decide(
+        "auto", "auto", stock(model_dir, enable_return_hidden_states=True, dtype="float16"), {}, None, tmp_path
+    )
+    assert (last.layers, last.dtype) == ([32], "float16")
+
+
+def test_answers_need_every_row_and_a_readable_config(tmp_path, model_dir):
+    with pytest.raises(CaptureProblem, match="does not return every prompt row"):
+        decide("response", "auto", stock(model_dir, return_hidden_states_mode="last"), {}, None, tmp_path)
+    with pytest.raises(CaptureProblem, match="config.json"):
+        decide("auto", "auto", stock(tmp_path / "elsewhere", **AUX), {}, None, tmp_path)
+
+
+def test_chunked_prefill_is_refused_whatever_the_source(tmp_path, model_dir):
+    for source in ("auto", "dumps", "response"):
+        with pytest.raises(CaptureProblem, match="--chunked-prefill-size -1"):
+            decide(source, "auto", stock(model_dir, **AUX, chunked_prefill_size=8192), {}, None, tmp_path)
+
+
+def test_an_unreadable_plugin_description_is_a_problem_not_a_guess(tmp_path):
+    assert read_plugin_info(tmp_path) is None
+    (tmp_path / "hsx-plugin.json").write_text("{not json")
+    with pytest.raises(CaptureProblem, match="unreadable"):
+        read_plugin_info(tmp_path)
+    (tmp_path / "hsx-plugin.json").write_text(json.dumps({"format": "other/9"}))
+    with pytest.raises(CaptureProblem, match="hsx-plugin/1"):
+        read_plugin_info(tmp_path)
+
+
+def test_answered_numbers_convert_exactly_or_not_at_all():
+    values = torch.randn(5, 8).bfloat16()
+    as_float = values.float().numpy()
+    assert exact(as_float, "bfloat16").tobytes() == values.view(torch.int16).numpy().tobytes()
+    halves = torch.randn(5, 8).half()
+    assert exact(halves.float().numpy(), "float16").tobytes() == halves.numpy().tobytes()
+    assert exact(as_float, "float32").tobytes() == as_float.tobytes()
+    off = as_float.copy()
+    off[2, 3] = np.nextafter(off[2, 3], np.float32(np.inf))
+    for dtype in ("bfloat16", "float16"):
+        with pytest.raises(DumpRejected, match="not_exact"):
+            exact(off, dtype)
