@@ -69,6 +69,12 @@ class Settings(BaseSettings):
         description="comma-separated bearer tokens, each TOKEN or TOKEN:read; when set, every endpoint but "
         "/healthz needs one, and :read tokens may only read",
     )
+    lease_s: float = Field(
+        30.0,
+        description="the writer's lease on the queue, renewed every third of it: a writer silent for longer "
+        "(dead, paused, cut off from the database) loses its running and staged samples to the queue, and "
+        "nothing it does afterwards is recorded",
+    )
     run_writer: bool = Field(
         True,
         description="run the single writer for the dump root in this process; without it the process serves "

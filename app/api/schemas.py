@@ -151,6 +151,32 @@ class Health(BaseModel):
     writers: list[dict] = Field(default_factory=list, description="every writer that reported recently")
 
 
+class WorkerOut(BaseModel):
+    """A writer (an `hsx worker`, or `hsx serve` with its writer) as it last reported itself."""
+
+    identity: str = Field(description="host:dump root")
+    state: str = Field(
+        description="starting, ready, waiting, refusing, stopped, or lost (its lease expired and its samples "
+        "went back to the queue)"
+    )
+    reason: str | None = Field(description="why it is not ready")
+    backend_url: str | None = Field(description="its model server")
+    model_path: str | None = Field(description="the model its server reports")
+    layers: list[int] | None = Field(description="the layers its server gives")
+    source: str | None = Field(description="dumps or response: how it takes hidden states from its server")
+    started_at: datetime
+    heartbeat_at: datetime = Field(description="its last heartbeat")
+    lease_expires_at: datetime | None = Field(description="when its samples go back to the queue unless it renews")
+    lease: int = Field(description="its fencing token: raised each time it registers or its lease is taken over")
+    samples_staged: int | None = Field(description="samples it extracted since it started")
+    tokens_per_s: float | None = Field(description="tokens it extracted per second, over the last minute")
+
+
+class WorkerList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[WorkerOut]
+
+
 @overload
 def utc(dt: datetime) -> datetime: ...
 

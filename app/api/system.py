@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from hsx.api.deps import ReadSessionDep, WriterDep
-from hsx.api.schemas import Health
+from hsx.api.schemas import Health, WorkerList, WorkerOut, utc
 from hsx.db import repository as repo
-from hsx.db.models import JobRow
+from hsx.db.models import JobRow, WriterRow
 from hsx.states import SampleState
 from sqlalchemy import func, select, text
 
@@ -43,6 +43,35 @@ def healthz(session: ReadSessionDep, writer: WriterDep) -> Health:
         ]
     ok = db == "ok" and (status is None or status["state"] == "ready")
     return Health(status="ok" if ok else "degraded", database=db, writer=status, writers=writers)
+
+
+@router.get(
+    "/v1/workers",
+    response_model=WorkerList,
+    tags=["workers"],
+    summary="Every writer that ever registered: its model server, layers, state, lease and rate",
+)
+def workers(session: ReadSessionDep) -> WorkerList:
+    return WorkerList(data=[_worker(w) for w in repo.all_writers(session)])
+
+
+def _worker(w: WriterRow) -> WorkerOut:
+    server, stats = w.server or {}, w.stats or {}
+    return WorkerOut(
+        identity=w.identity,
+        state=w.state,
+        reason=w.reason,
+        backend_url=server.get("url"),
+        model_path=server.get("model_path"),
+        layers=server.get("layers"),
+        source=server.get("source"),
+        started_at=utc(w.started_at),
+        heartbeat_at=utc(w.heartbeat_at),
+        lease_expires_at=utc(w.lease_expires_at),
+        lease=w.epoch,
+        samples_staged=stats.get("samples_staged"),
+        tokens_per_s=stats.get("tokens_per_s"),
+    )
 
 
 @router.get(

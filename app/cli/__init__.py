@@ -13,6 +13,7 @@ import importlib
 
 COMMANDS = [
     "hsx.cli.serve",
+    "hsx.cli.worker",
     "hsx.cli.reference_server",
     "hsx.cli.demo",
     "hsx.cli.export",
@@ -26,6 +27,7 @@ COMMANDS = [
     "hsx.cli.client.delete",
     "hsx.cli.client.manifest",
     "hsx.cli.client.download",
+    "hsx.cli.client.workers",
 ]
 
 

@@ -37,8 +37,10 @@ def _shown(default: Any) -> str:
     return "unset" if default in (None, "") else str(default)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, exclude: frozenset[str] | set[str] = frozenset()) -> None:
     for name, field in Settings.model_fields.items():
+        if name in exclude:
+            continue
         text = (field.description or "").replace("%", "%%")
         if name in OFF_SWITCHES:
             parser.add_argument(
@@ -69,14 +71,14 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
     from hsx.api.app import create_app
     from hsx.backends.dumps import DumpRootBusy
-    from hsx.db.engine import make_engine, session_factory
-    from hsx.extraction import Writer
+    from hsx.db.engine import session_factory
+    from hsx.extraction import Writer, writer_engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
     writer = None
     if settings.run_writer:
-        writer = Writer(settings, session_factory(make_engine(settings.database_url)))
+        writer = Writer(settings, session_factory(writer_engine(settings)))
         try:
             writer.acquire()
         except DumpRootBusy as exc:

@@ -15,12 +15,20 @@ READONLY = "hsx_readonly"
 MIGRATIONS_DIR = Path(hsx.migrations.__file__).resolve().parent
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, idle_in_transaction_s: float | None = None) -> Engine:
+    """`idle_in_transaction_s` (Postgres): the server ends a session that sits inside a transaction
+    for longer, releasing its row locks. A writer sets it below its lease: a writer process that is
+    paused or cut off in the middle of a transaction must not hold up the others' claims and
+    heartbeats until its connection dies."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
-        return create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=10)
+        connect_args = {}
+        if idle_in_transaction_s is not None:
+            ms = max(1, int(idle_in_transaction_s * 1000))
+            connect_args["options"] = f"-c idle_in_transaction_session_timeout={ms}"
+        return create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=10, connect_args=connect_args)
 
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)

@@ -154,3 +154,8 @@ class WriterRow(Base):
     server: Mapped[dict | None] = mapped_column(JSON)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The lease: the fencing token every write of this writer is checked against (raised each time
+    # the writer registers, and when another writer finds the lease expired), and its expiry.
+    epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    stats: Mapped[dict | None] = mapped_column(JSON)  # samples done, tokens/s: what GET /v1/workers shows

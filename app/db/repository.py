@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, cast
 
 from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
@@ -534,7 +534,9 @@ def _writer_or_slots(writer: str):
     return or_(SampleRow.writer == writer, SampleRow.writer.startswith(writer + "#", autoescape=True))
 
 
-def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, int]:
+def recover_writer(
+    session: Session, writer: str, staged_exists, *, why: str = "service stopped during the attempt"
+) -> tuple[int, int]:
     """At writer start: its running samples were interrupted by a crash; staged ones keep their
     place only if their staged files survived. Returns (requeued, kept staged)."""
     requeued = kept = 0
@@ -545,7 +547,7 @@ def recover_writer(session: Session, writer: str, staged_exists) -> tuple[int, i
         session.execute(
             update(AttemptRow)
             .where(AttemptRow.sample_pk == pk, AttemptRow.outcome.is_(None))
-            .values(outcome="interrupted", reason="service stopped during the attempt", finished_at=utcnow())
+            .values(outcome="interrupted", reason=why, finished_at=utcnow())
         )
         requeued += _transition(
             session,
@@ -717,12 +719,113 @@ def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
 WRITER_STALE_S = 30.0
 
 
-def report_writer(
-    session: Session, identity: str, *, state: str, reason: str | None, server: dict | None, started_at: datetime
+class LeaseLost(Exception):
+    """This writer's lease expired or was taken over: nothing it does under that lease may be recorded."""
+
+    def __init__(self, message: str, epoch: int):
+        super().__init__(message)
+        self.epoch = epoch
+
+
+def _lease_until(lease_s: float) -> datetime:
+    return utcnow() + timedelta(seconds=lease_s)
+
+
+def register_writer(session: Session, identity: str, *, lease_s: float, started_at: datetime, staged_exists) -> int:
+    """Start (or restart) a writer's lease and return its new fencing token.
+
+    In the same transaction, whatever the writer left under an earlier token is settled as at a
+    restart: its running samples go back to the queue unspent, its staged ones too unless their
+    files are still here (recover_writer). Writes fenced by an older token fail from now on."""
+    row = session.execute(
+        select(WriterRow).where(WriterRow.identity == identity).with_for_update()
+    ).scalar_one_or_none()
+    now = utcnow()
+    if row is None:
+        row = WriterRow(identity=identity, state="starting", started_at=started_at, heartbeat_at=now, epoch=0)
+        session.add(row)
+    row.epoch = (row.epoch or 0) + 1
+    row.lease_expires_at = _lease_until(lease_s)
+    row.heartbeat_at = now
+    row.started_at = started_at
+    session.flush()
+    recover_writer(session, identity, staged_exists, why="the writer restarted or lost its lease during the attempt")
+    return row.epoch
+
+
+def check_lease(session: Session, identity: str, epoch: int) -> None:
+    """The fence: a writer's transaction records its work only while the lease it worked under is
+    current. Taken first in the transaction. On Postgres it holds FOR KEY SHARE on the writer's row:
+    a takeover (FOR UPDATE) waits for transactions already past the check, while the heartbeat's
+    renewal (an UPDATE of no key column) does not wait for them."""
+    q = select(WriterRow.epoch).where(
+        WriterRow.identity == identity, WriterRow.epoch == epoch, WriterRow.lease_expires_at > utcnow()
+    )
+    if session.get_bind().dialect.name == "postgresql":
+        q = q.with_for_update(read=True, key_share=True)
+    if session.execute(q).first() is None:
+        raise LeaseLost(f"writer {identity}: lease {epoch} is no longer current", epoch)
+
+
+def renew_lease(
+    session: Session,
+    identity: str,
+    epoch: int,
+    *,
+    lease_s: float,
+    state: str,
+    reason: str | None,
+    server: dict | None,
+    stats: dict | None,
 ) -> None:
-    values = {"state": state, "reason": reason, "server": server, "heartbeat_at": utcnow()}
-    if _rowcount(session.execute(update(WriterRow).where(WriterRow.identity == identity).values(values))) == 0:
-        session.add(WriterRow(identity=identity, started_at=started_at, **values))
+    """The heartbeat: extend the lease and report the writer's status; LeaseLost when it is gone."""
+    renewed = session.execute(
+        update(WriterRow)
+        .where(WriterRow.identity == identity, WriterRow.epoch == epoch, WriterRow.lease_expires_at > utcnow())
+        .values(
+            state=state,
+            reason=reason,
+            server=server,
+            stats=stats,
+            heartbeat_at=utcnow(),
+            lease_expires_at=_lease_until(lease_s),
+        )
+    )
+    if _rowcount(renewed) == 0:
+        raise LeaseLost(f"writer {identity}: lease {epoch} expired or was taken over", epoch)
+
+
+def report_writer_stopped(session: Session, identity: str, epoch: int) -> None:
+    """A writer stopping on purpose ends its lease at once: nothing of it is left to take over."""
+    session.execute(
+        update(WriterRow)
+        .where(WriterRow.identity == identity, WriterRow.epoch == epoch)
+        .values(state="stopped", reason=None, heartbeat_at=utcnow(), lease_expires_at=utcnow())
+    )
+
+
+def expire_leases(session: Session) -> list[tuple[str, int]]:
+    """Take over the work of writers whose lease ran out: fence them (a new token they do not hold)
+    and give their running and staged samples back to the queue without spending an attempt (a
+    staged dump lives on a disk no other writer reads). Returns (identity, samples requeued) for
+    each writer taken over."""
+    # A writer that stopped on purpose is taken over too: it may never start again, and what it
+    # staged waits on its own disk (if it does start, it loses only the re-extraction of those).
+    q = select(WriterRow).where(WriterRow.lease_expires_at < utcnow(), WriterRow.state != "lost")
+    if session.get_bind().dialect.name == "postgresql":
+        q = q.with_for_update(skip_locked=True)
+    taken = []
+    for row in session.execute(q).scalars().all():
+        row.epoch += 1
+        row.state, row.reason = "lost", f"lease expired at {row.lease_expires_at}; its samples went back to the queue"
+        why = "the writer's lease expired during the attempt"
+        requeued, _ = recover_writer(session, row.identity, lambda _: False, why=why)
+        taken.append((row.identity, requeued))
+    return taken
+
+
+def all_writers(session: Session) -> list[WriterRow]:
+    return list(session.execute(select(WriterRow).order_by(WriterRow.identity)).scalars())
 
 
 def live_writers(session: Session) -> list[WriterRow]:
@@ -736,7 +839,7 @@ def waiting_reason(session: Session) -> str | None:
     """Why active jobs make no progress now, or None while some writer is ready."""
     writers = live_writers(session)
     if not writers:
-        return "no writer is running (start `hsx serve` with a dump root against this database)"
+        return "no writer is running (start `hsx serve` or `hsx worker` with a dump root against this database)"
     if any(w.state == "ready" for w in writers):
         return None
     return "; ".join(f"{w.identity}: {w.state}: {w.reason}" for w in writers)

@@ -26,6 +26,7 @@ from hsx.db.models import JobRow, SampleRow
 from hsx.extraction.database import Database
 from hsx.extraction.disk import DISK_RETRY_S, DiskPause, disk_full
 from hsx.extraction.finishing import JobFinisher
+from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
 from hsx.manifest import job_dir
 from hsx.storage.shards import NonFiniteSamples, ShardSample, shard_name, write_shard
@@ -62,9 +63,11 @@ class ShardFlusher:
         metrics: WriterMetrics,
         finisher: JobFinisher,
         pause: DiskPause,
+        lease: Lease,
     ):
         self.settings = settings
         self.identity = identity
+        self.lease = lease
         self.db = db
         self.metrics = metrics
         self.finisher = finisher
@@ -124,11 +127,13 @@ class ShardFlusher:
     # --- the flusher's thread -----------------------------------------------------------------
 
     def step(self) -> None:
-        """One turn: write shards that are due and finish the jobs they complete."""
+        """One turn: write shards that are due and finish the jobs they complete, fenced by the
+        writer's lease as the turn starts."""
         self._wake.wait(FLUSH_POLL_S)
         self._wake.clear()
-        self.finisher.retry_due()
-        self._flush_due()
+        with self.db.fenced(self.lease.epoch):
+            self.finisher.retry_due()
+            self._flush_due()
 
     def _staged_bytes(self) -> int:
         return sum(p.bytes for p in self._pending.values())
@@ -234,11 +239,15 @@ class ShardFlusher:
                 self._write_shard(job, rest)
             return
         placed = [(x.pk, off, p.num_tokens) for (x, p), off in zip(pieces, shard.offsets)]
-        self.db.run(
-            lambda s: repo.commit_shard(
-                s, job_id, name=shard.name, nbytes=shard.bytes, sha256=shard.sha256, placed=placed
+        try:
+            self.db.run(
+                lambda s: repo.commit_shard(
+                    s, job_id, name=shard.name, nbytes=shard.bytes, sha256=shard.sha256, placed=placed
+                )
             )
-        )
+        except repo.LeaseLost:
+            out.unlink(missing_ok=True)  # its samples went back to the queue: no manifest may name it
+            raise
         for x, _ in pieces:
             shutil.rmtree(_staged_dir(x), ignore_errors=True)
         log.info(

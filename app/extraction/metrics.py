@@ -17,6 +17,7 @@ class WriterMetrics:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.tokens_extracted = 0
+        self.samples_staged = 0
         self.bytes_staged = 0
         self._recent: deque[tuple[float, int]] = deque()
 
@@ -39,6 +40,7 @@ class WriterMetrics:
         now = time.monotonic()
         with self._lock:
             self.tokens_extracted += tokens
+            self.samples_staged += 1
             self.bytes_staged += nbytes
             self._recent.append((now, tokens))
             while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:

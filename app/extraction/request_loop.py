@@ -27,6 +27,7 @@ from hsx.db import repository as repo
 from hsx.extraction.database import Database
 from hsx.extraction.disk import DISK_RETRY_S, DiskPause
 from hsx.extraction.flusher import ShardFlusher
+from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
 from hsx.extraction.server_watch import SampleExtractor, ServerWatch
 from hsx.extraction.status import StatusReport
@@ -53,8 +54,10 @@ class RequestLoop:
         pause: DiskPause,
         metrics: WriterMetrics,
         stop: threading.Event,
+        lease: Lease,
     ):
         self.settings = settings
+        self.lease = lease
         self.identity = identity
         self.root = root
         self.db = db
@@ -74,9 +77,12 @@ class RequestLoop:
         return self.identity if slot == 0 else f"{self.identity}#{slot}"
 
     def step(self, slot: int = 0) -> bool:
-        """One turn: process at most one sample; returns whether one was processed."""
-        if slot == 0:
-            self.report.heartbeat()
+        """One turn: process at most one sample; returns whether one was processed. Everything the
+        turn records is fenced by the lease it started under."""
+        with self.db.fenced(self.lease.epoch):
+            return self._step(slot)
+
+    def _step(self, slot: int) -> bool:
         extractor = self._extractor()
         if extractor is None:
             self.stop.wait(self.server.backoff.next())
@@ -190,7 +196,12 @@ class RequestLoop:
             )
             return True
 
-        if not self.db.run(stage):
+        try:
+            recorded = self.db.run(stage)
+        except repo.LeaseLost:
+            shutil.rmtree(dump.path, ignore_errors=True)  # the sample is someone else's now
+            raise
+        if not recorded:
             shutil.rmtree(dump.path, ignore_errors=True)
             return
         self.metrics.attempt("ok")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,10 +13,9 @@ from hsx.db import repository as repo
 
 if TYPE_CHECKING:
     from hsx.extraction.database import Database
+    from hsx.extraction.lease import Lease
 
 log = logging.getLogger("hsx.writer")
-
-HEARTBEAT_S = 5.0
 
 
 @dataclass
@@ -36,32 +36,40 @@ class WriterStatus:
 
 
 class StatusReport:
-    """Records the writer's status in the database: at once when it changes, else every HEARTBEAT_S."""
+    """Records the writer's status in the database, renewing its lease: at once when the status
+    changes, else from the heartbeat thread every `lease.renew_every_s`."""
 
-    def __init__(self, status: WriterStatus, identity: str, db: Database):
+    def __init__(self, status: WriterStatus, lease: Lease, db: Database, stats: Callable[[], dict]):
         self.status = status
-        self.identity = identity
+        self.lease = lease
+        self.identity = lease.identity
         self.db = db
-        self.started_at = repo.utcnow()
-        self._reported_at = 0.0
+        self.stats = stats
 
     def set(self, state: str, reason: str | None = None) -> None:
         if self.status.set(state, reason):
             self.report()
 
-    def heartbeat(self) -> None:
-        if time.monotonic() - self._reported_at >= HEARTBEAT_S:
-            self.report()
-
     def report(self) -> None:
-        self._reported_at = time.monotonic()
-        self.db.run(
-            lambda s: repo.report_writer(
-                s,
-                self.identity,
-                state=self.status.state,
-                reason=self.status.reason,
-                server=self.status.server,
-                started_at=self.started_at,
+        epoch = self.lease.epoch
+        if epoch == 0:
+            return  # not registered yet: registering reports
+        try:
+            self.db.run(
+                lambda s: repo.renew_lease(
+                    s,
+                    self.identity,
+                    epoch,
+                    lease_s=self.lease.lease_s,
+                    state=self.status.state,
+                    reason=self.status.reason,
+                    server=self.status.server,
+                    stats=self.stats(),
+                )
             )
-        )
+        except repo.LeaseLost as exc:
+            self.lease.lost(epoch, exc)
+
+    def stopped(self) -> None:
+        epoch = self.lease.epoch
+        self.db.run(lambda s: repo.report_writer_stopped(s, self.identity, epoch))

@@ -27,17 +27,26 @@ from hsx.backends.dumps import DumpRoot
 from hsx.backends.sglang import SGLangClient
 from hsx.config import Settings
 from hsx.db import repository as repo
+from hsx.db.engine import make_engine
 from hsx.extraction.database import Database
 from hsx.extraction.disk import DiskPause
 from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.flusher import ShardFlusher
+from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
 from hsx.extraction.request_loop import RequestLoop
 from hsx.extraction.server_watch import ServerWatch
 from hsx.extraction.status import StatusReport, WriterStatus
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger("hsx.writer")
+
+
+def writer_engine(settings: Settings) -> Engine:
+    """The writer's database connections: a session stuck inside a transaction (a paused or cut-off
+    writer) is ended by the database well within the lease, releasing its locks."""
+    return make_engine(settings.database_url, idle_in_transaction_s=settings.lease_s / 3)
 
 
 def writer_identity(dump_root: Path) -> str:
@@ -57,11 +66,12 @@ class Writer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         server = ServerWatch(settings, self.client, self.root, self.staging)
-        self._db = Database(sessions, self.status, server, self._stop)
-        self._report = StatusReport(self.status, self.identity, self._db)
+        self._db = Database(sessions, self.status, server, self._stop, self.identity)
+        self.lease = Lease(self.identity, settings.lease_s, self._db)
+        self._report = StatusReport(self.status, self.lease, self._db, self._stats)
         pause = DiskPause()
         finisher = JobFinisher(settings.output_root, self.staging, self._db, pause)
-        self._flusher = ShardFlusher(settings, self.identity, self._db, self.metrics, finisher, pause)
+        self._flusher = ShardFlusher(settings, self.identity, self._db, self.metrics, finisher, pause, self.lease)
         self._requests = RequestLoop(
             settings,
             self.identity,
@@ -73,6 +83,7 @@ class Writer:
             pause,
             self.metrics,
             self._stop,
+            self.lease,
         )
 
     def acquire(self) -> None:
@@ -82,13 +93,12 @@ class Writer:
 
     def start_thread(self) -> None:
         """Recover what a crash left behind, then run the request loops and the flusher in the background."""
-        requeued, kept = self._db.run(
-            lambda s: repo.recover_writer(s, self.identity, lambda p: (Path(p) / "done").exists())
-        )
-        for job_id in {x.job_id for x in self._db.run(lambda s: repo.staged_samples(s, self.identity))}:
+        epoch = self.lease.register()
+        self._report.report()
+        staged = self._db.run(lambda s: repo.staged_samples(s, self.identity))
+        for job_id in {x.job_id for x in staged}:
             self._flusher.adopt(job_id)
-        if requeued or kept:
-            log.info("recovered: %d samples requeued, %d staged samples kept", requeued, kept)
+        log.info("writer %s: lease %d, %d staged samples kept from before", self.identity, epoch, len(staged))
         self._threads = [
             threading.Thread(target=self._run, args=(self.step, i), name=f"hsx-writer-{i}", daemon=True)
             for i in range(self.slots)
@@ -96,6 +106,7 @@ class Writer:
         self._threads.append(
             threading.Thread(target=self._run, args=(self.flush_step, 0), name="hsx-flusher", daemon=True)
         )
+        self._threads.append(threading.Thread(target=self._heartbeats, name="hsx-heartbeat", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -113,7 +124,7 @@ class Writer:
             t.join(timeout=self.settings.request_timeout_s + 10)
         self.status.set("stopped")
         try:
-            self._report.report()
+            self._report.stopped()
         except Exception:  # stopping must not fail because the database is gone
             log.warning("could not record the writer's stop")
         self.client.close()
@@ -127,10 +138,29 @@ class Writer:
         """The flusher's turn: write shards that are due and finish the jobs they complete."""
         self._flusher.step()
 
+    def _heartbeats(self) -> None:
+        """Renew the lease and take over expired ones, on a thread of its own: a request that takes
+        minutes must not cost the lease."""
+        while not self._stop.wait(self.lease.renew_every_s):
+            try:
+                self._report.report()
+                self.lease.take_over_expired()
+            except Exception:
+                log.exception("heartbeat failed")
+
+    def _stats(self) -> dict:
+        return {
+            "samples_staged": self.metrics.samples_staged,
+            "tokens_extracted": self.metrics.tokens_extracted,
+            "tokens_per_s": round(self.metrics.tokens_per_second(), 1),
+        }
+
     def _run(self, step: Callable[[int], object], slot: int) -> None:
         while not self._stop.is_set():
             try:
                 step(slot)
+            except repo.LeaseLost as exc:
+                self.lease.lost(exc.epoch, exc)
             except Exception:  # the loop must outlive any one failure; the sample's state says what happened
                 log.exception("writer step failed")
                 self._stop.wait(1.0)

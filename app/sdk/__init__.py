@@ -34,6 +34,7 @@ from hsx.sdk.models import (
     Sample,
     SamplePage,
     Tokens,
+    Worker,
 )
 
 __all__ = [
@@ -61,4 +62,5 @@ __all__ = [
     "Tokens",
     "Unauthorized",
     "Unavailable",
+    "Worker",
 ]

@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import httpx
 from hsx.sdk.errors import ChecksumMismatch, HsxError, Unavailable
-from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage, WorkerList
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.atomic import atomic_file, fsync_path
 from pydantic import BaseModel
@@ -162,6 +162,10 @@ class Calls:
     @staticmethod
     def health() -> Call:
         return Call("GET", "/healthz", Health)
+
+    @staticmethod
+    def workers() -> Call:
+        return Call("GET", "/v1/workers", WorkerList)
 
 
 def file_chunks(f: IO[bytes], size: int = 1 << 16) -> Iterator[bytes]:

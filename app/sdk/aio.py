@@ -27,7 +27,7 @@ from hsx.sdk._core import (
     write_atomic,
 )
 from hsx.sdk.errors import error_from_response
-from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage, Worker
 from hsx.states import TERMINAL_JOB_STATES
 
 __all__ = ["AsyncHsxClient"]
@@ -251,3 +251,7 @@ class AsyncHsxClient:
 
     async def health(self) -> Health:
         return await self._send(Calls.health())
+
+    async def workers(self) -> list[Worker]:
+        """Every writer that ever registered with the service's database (GET /v1/workers)."""
+        return (await self._send(Calls.workers())).data

@@ -28,7 +28,7 @@ from hsx.sdk._core import (
     write_atomic,
 )
 from hsx.sdk.errors import HsxError, error_from_response
-from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage
+from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage, Worker
 from hsx.states import TERMINAL_JOB_STATES
 
 __all__ = ["HsxClient", "HsxError"]
@@ -273,3 +273,7 @@ class HsxClient:
 
     def health(self) -> Health:
         return self._send(Calls.health())
+
+    def workers(self) -> list[Worker]:
+        """Every writer that ever registered with the service's database (GET /v1/workers)."""
+        return (self._send(Calls.workers())).data

@@ -4,9 +4,10 @@ manifest is hsx.manifest's, and the states are hsx.states'."""
 from __future__ import annotations
 
 from hsx.api.schemas import AttemptOut as Attempt
-from hsx.api.schemas import Counts, Health, JobPage, SamplePage, Tokens
+from hsx.api.schemas import Counts, Health, JobPage, SamplePage, Tokens, WorkerList
 from hsx.api.schemas import JobOut as Job
 from hsx.api.schemas import SampleOut as Sample
+from hsx.api.schemas import WorkerOut as Worker
 from hsx.manifest import Manifest, ManifestSample, ManifestShard
 from hsx.states import TERMINAL_JOB_STATES, JobState, SampleState
 
@@ -17,6 +18,8 @@ __all__ = [
     "Attempt",
     "Counts",
     "Health",
+    "Worker",
+    "WorkerList",
     "Job",
     "JobPage",
     "JobState",

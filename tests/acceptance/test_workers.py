@@ -1,0 +1,166 @@
+"""Several workers on one Postgres queue, each beside its own model server: a worker that dies for good
+or stalls past its lease loses its samples to the others, and a stalled one that wakes up records
+nothing of what it held. Real processes: the API (`hsx serve --no-writer`), three `hsx worker`s and
+three synthetic reference servers; every stored tensor is checked against the synthetic model's own
+recomputation."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from hsx.manifest import load_manifest, read_sample
+from hsx.reference.synthetic import synthetic_hidden_states
+from hsx.sdk import HsxClient
+
+from tests.support.procs import Process, free_port, hsx_command
+
+HIDDEN, NUM_LAYERS, VOCAB = 64, 8, 1000
+LAYERS = [2, 4, 5, 8]
+LEASE_S = 3.0
+
+
+def start_synthetic(tmp: Path, name: str) -> tuple[Process, str]:
+    port = free_port()
+    args = hsx_command() + [
+        "reference-server",
+        "--synthetic",
+        "--hidden-size",
+        str(HIDDEN),
+        "--num-layers",
+        str(NUM_LAYERS),
+        "--vocab-size",
+        str(VOCAB),
+        "--name-by",
+        "rid",
+        "--prefill-us-per-token",
+        "4000",
+        "--dump-root",
+        str(tmp / name / "dumps"),
+        "--port",
+        str(port),
+    ]
+    proc = Process(args, tmp / f"{name}-server.log")
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_http(url + "/health")
+    return proc, url
+
+
+def start_worker(tmp: Path, name: str, backend: str, database_url: str) -> Process:
+    args = hsx_command() + [
+        "worker",
+        "--backend-url",
+        backend,
+        "--dump-root",
+        str(tmp / name / "dumps"),
+        "--output-root",
+        str(tmp / "output"),
+        "--database-url",
+        database_url,
+        "--lease-s",
+        str(LEASE_S),
+        "--shard-max-bytes",
+        "300000",
+    ]
+    return Process(args, tmp / f"{name}-worker.log")
+
+
+def workers(api: str) -> dict[str, dict]:
+    return {w["identity"].rsplit("/", 2)[-2]: w for w in httpx.get(api + "/v1/workers").json()["data"]}
+
+
+def wait_for(what, timeout: float = 60.0, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(every)
+    raise TimeoutError(f"{what} never held")
+
+
+def test_a_dead_and_a_stalled_worker_lose_their_samples_and_record_nothing_stale(tmp_path, postgres_url):
+    api_port = free_port()
+    api = f"http://127.0.0.1:{api_port}"
+    parts: list[Process] = []
+    try:
+        api_proc = Process(
+            hsx_command()
+            + ["serve", "--no-writer", "--database-url", postgres_url, "--output-root", str(tmp_path / "output")]
+            + ["--port", str(api_port), "--input-root", str(tmp_path)],
+            tmp_path / "api.log",
+        )
+        parts.append(api_proc)
+        api_proc.wait_http(api + "/healthz")
+        procs = {}
+        for name in ("a", "b", "c"):
+            server, url = start_synthetic(tmp_path, name)
+            parts.append(server)
+            procs[name] = start_worker(tmp_path, name, url, postgres_url)
+            parts.append(procs[name])
+        wait_for(lambda: {k for k, w in workers(api).items() if w["state"] == "ready"} == {"a", "b", "c"})
+
+        rng = random.Random(4)
+        samples = [
+            {"id": f"w{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(20, 60))]} for i in range(90)
+        ]
+        job_id = httpx.post(api + "/v1/jobs", json={"samples": samples}, timeout=30).json()["id"]
+
+        def job() -> dict:
+            return httpx.get(f"{api}/v1/jobs/{job_id}").json()
+
+        wait_for(lambda: job()["counts"]["succeeded"] >= 10)
+        procs["a"].kill()  # dies for good, holding whatever it ran and staged
+        os.killpg(procs["b"].proc.pid, signal.SIGSTOP)  # stalls past its lease
+        lost = wait_for(lambda: {k for k, w in workers(api).items() if w["state"] == "lost"} >= {"a", "b"} or None)
+        assert lost
+        stalled_lease = workers(api)["b"]["lease"]
+        time.sleep(LEASE_S)
+        os.killpg(procs["b"].proc.pid, signal.SIGCONT)
+
+        final = wait_for(lambda: job() if job()["state"] in ("succeeded", "failed") else None, timeout=240)
+        assert final["state"] == "succeeded", final
+        manifest = load_manifest(tmp_path / "output" / job_id)
+        assert [s.id for s in manifest.samples] == [s["id"] for s in samples], "every sample stored exactly once"
+        named = {sh.name for sh in manifest.shards}
+        assert {p.name for p in (tmp_path / "output" / job_id).glob("*.safetensors")} == named, "no stray shard"
+        for s in samples:
+            got = read_sample(tmp_path / "output" / job_id, manifest, s["id"])
+            truth = synthetic_hidden_states(s["input_ids"], LAYERS, HIDDEN, torch.bfloat16)
+            assert got["input_ids"].tolist() == s["input_ids"]
+            for layer in LAYERS:
+                assert torch.equal(got[f"layer_{layer}"], truth[layer]), (s["id"], layer)
+
+        # The woken worker found its lease gone, dropped what it held and registered again.
+        assert "lease" in procs["b"].log() and "registering again" in procs["b"].log()
+        after = workers(api)
+        assert after["b"]["lease"] > stalled_lease and after["b"]["state"] != "lost"
+        assert after["a"]["state"] == "lost"
+        expired = [
+            a
+            for s in samples
+            for a in httpx.get(f"{api}/v1/jobs/{job_id}/samples/{s['id']}").json()["attempt_log"]
+            if a["outcome"] == "interrupted" and "lease" in (a["reason"] or "")
+        ]
+        assert expired, "the dead and stalled workers' attempts were given back, unspent"
+
+        with HsxClient(api) as hsx:
+            listed = {w.identity: w for w in hsx.workers()}
+        assert {i.rsplit("/", 2)[-2] for i in listed} == {"a", "b", "c"}
+        assert all(w.layers == LAYERS and w.source == "dumps" for w in listed.values())
+        shown = subprocess.run(
+            hsx_command() + ["workers", "--url", api, "--json"], capture_output=True, text=True, check=True
+        )
+        assert {w["identity"] for w in json.loads(shown.stdout)} == set(listed)
+    finally:
+        for p in reversed(parts):
+            if p.proc.poll() is None:
+                os.killpg(p.proc.pid, signal.SIGCONT)
+            p.stop()
