@@ -745,6 +745,7 @@ def register_writer(session: Session, identity: str, *, lease_s: float, started_
         row = WriterRow(identity=identity, state="starting", started_at=started_at, heartbeat_at=now, epoch=0)
         session.add(row)
     row.epoch = (row.epoch or 0) + 1
+    row.state, row.reason = "starting", None
     row.lease_expires_at = _lease_until(lease_s)
     row.heartbeat_at = now
     row.started_at = started_at

@@ -19,8 +19,10 @@ import torch
 from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.sdk import HsxClient
+from sqlalchemy.engine import make_url
 
 from tests.support.procs import Process, free_port, hsx_command
+from tests.support.tcp_proxy import TcpProxy
 
 HIDDEN, NUM_LAYERS, VOCAB = 64, 8, 1000
 LAYERS = [2, 4, 5, 8]
@@ -163,4 +165,66 @@ def test_a_dead_and_a_stalled_worker_lose_their_samples_and_record_nothing_stale
         for p in reversed(parts):
             if p.proc.poll() is None:
                 os.killpg(p.proc.pid, signal.SIGCONT)
+            p.stop()
+
+
+def test_a_worker_cut_off_from_the_database_past_its_lease_records_nothing_stale(tmp_path, postgres_url):
+    """One worker reaches Postgres through a line that is cut for twice its lease while it works;
+    the other takes its samples over. After the line is back the cut-off worker registers again
+    and the job ends with every sample stored once, exactly."""
+    url = make_url(postgres_url)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    behind_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    api_port = free_port()
+    api = f"http://127.0.0.1:{api_port}"
+    parts: list[Process] = []
+    try:
+        api_proc = Process(
+            hsx_command()
+            + ["serve", "--no-writer", "--database-url", postgres_url, "--output-root", str(tmp_path / "output")]
+            + ["--port", str(api_port), "--input-root", str(tmp_path)],
+            tmp_path / "api.log",
+        )
+        parts.append(api_proc)
+        api_proc.wait_http(api + "/healthz")
+        procs = {}
+        for name, db in (("a", behind_proxy), ("b", postgres_url)):
+            server, backend = start_synthetic(tmp_path, name)
+            parts.append(server)
+            procs[name] = start_worker(tmp_path, name, backend, db)
+            parts.append(procs[name])
+        wait_for(lambda: {k for k, w in workers(api).items() if w["state"] == "ready"} == {"a", "b"})
+
+        rng = random.Random(5)
+        samples = [
+            {"id": f"p{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(20, 60))]} for i in range(60)
+        ]
+        job_id = httpx.post(api + "/v1/jobs", json={"samples": samples}, timeout=30).json()["id"]
+
+        def job() -> dict:
+            return httpx.get(f"{api}/v1/jobs/{job_id}").json()
+
+        wait_for(lambda: job()["counts"]["succeeded"] >= 8)
+        proxy.cut()
+        wait_for(lambda: workers(api)["a"]["state"] == "lost")
+        time.sleep(LEASE_S)
+        proxy.restore()
+
+        final = wait_for(lambda: job() if job()["state"] in ("succeeded", "failed") else None, timeout=240)
+        assert final["state"] == "succeeded", final
+        manifest = load_manifest(tmp_path / "output" / job_id)
+        assert [s.id for s in manifest.samples] == [s["id"] for s in samples], "every sample stored exactly once"
+        assert {p.name for p in (tmp_path / "output" / job_id).glob("*.safetensors")} == {
+            sh.name for sh in manifest.shards
+        }
+        for s in samples:
+            got = read_sample(tmp_path / "output" / job_id, manifest, s["id"])
+            truth = synthetic_hidden_states(s["input_ids"], LAYERS, HIDDEN, torch.bfloat16)
+            for layer in LAYERS:
+                assert torch.equal(got[f"layer_{layer}"], truth[layer]), (s["id"], layer)
+        wait_for(lambda: "registering again" in procs["a"].log())
+        wait_for(lambda: workers(api)["a"]["state"] == "ready")
+    finally:
+        proxy.close()
+        for p in reversed(parts):
             p.stop()
