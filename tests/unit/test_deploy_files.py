@@ -1,0 +1,323 @@
+"""The deployment files (deploy/compose.yaml, deploy/k8s, deploy/systemd, the Dockerfiles): valid by the
+vendored Compose and Kubernetes schemas and by `systemd-analyze verify`, wired as hsx needs (the worker
+and its model server share the dump root, the API and the workers the output root and the database),
+and every hsx command line and HSX_* variable in them is one hsx takes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.deploy import (
+    DEPLOY,
+    compose_validator,
+    env_file,
+    kubernetes_validator,
+    process_problems,
+    schema_errors,
+    unit_entries,
+    yaml_documents,
+)
+
+COMPOSE = DEPLOY / "compose.yaml"
+K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
+UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+# Each Dockerfile and the folder it is built from (its header says so).
+DOCKERFILES = {DEPLOY / "Dockerfile": DEPLOY.parent, DEPLOY / "sglang" / "Dockerfile": DEPLOY / "sglang"}
+
+
+def compose() -> dict[str, Any]:
+    return yaml_documents(COMPOSE)[0]
+
+
+def k8s_objects() -> list[dict[str, Any]]:
+    return [doc for path in K8S for doc in yaml_documents(path)]
+
+
+def k8s_object(kind: str, name: str) -> dict[str, Any]:
+    return next(o for o in k8s_objects() if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+def env_value(container: dict[str, Any], name: str) -> Any:
+    entry = next(e for e in container.get("env", []) if e["name"] == name)
+    return entry.get("value", entry.get("valueFrom"))
+
+
+def mount_of(path: str, mounts: list[tuple[str, str]]) -> str:
+    """The volume whose mount point holds `path` (the longest match)."""
+    held = [(t, volume) for volume, t in mounts if path == t or path.startswith(t.rstrip("/") + "/")]
+    assert held, f"{path} is on no mounted volume"
+    return max(held)[1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# schemas
+
+
+def test_the_compose_file_is_valid_by_the_compose_specification() -> None:
+    assert schema_errors(compose_validator(), compose()) == []
+
+
+def test_the_compose_schema_catches_a_misspelt_key() -> None:
+    broken = copy.deepcopy(compose())
+    broken["services"]["worker"]["enviroment"] = broken["services"]["worker"].pop("environment")
+    assert any("enviroment" in e for e in schema_errors(compose_validator(), broken))
+
+
+@pytest.mark.parametrize("path", K8S, ids=lambda p: p.name)
+def test_every_kubernetes_object_is_valid_by_the_api_schema(path: Path) -> None:
+    objects = yaml_documents(path)
+    assert objects
+    for obj in objects:
+        assert schema_errors(kubernetes_validator(obj), obj) == [], f"{obj['kind']} {obj['metadata']['name']}"
+
+
+def test_the_kubernetes_schema_catches_a_misspelt_field_and_a_wrong_type() -> None:
+    pod = copy.deepcopy(k8s_object("Deployment", "hsx-sglang"))
+    worker = pod["spec"]["template"]["spec"]["containers"][1]
+    worker["volumeMount"] = worker.pop("volumeMounts")
+    pod["spec"]["replicas"] = "two"
+    errors = schema_errors(kubernetes_validator(pod), pod)
+    assert any("volumeMount" in e for e in errors) and any(e.startswith("spec/replicas") for e in errors), errors
+
+
+# ---------------------------------------------------------------------------------------------------
+# every process: command line and variables
+
+
+def processes() -> list[tuple[str, list[str], set[str]]]:
+    """(where, argv, names of the environment variables it gets) for every process the files start."""
+    found = []
+    for name, svc in compose()["services"].items():
+        if "command" in svc:
+            found.append((f"compose {name}", svc["command"], set(svc.get("environment") or {})))
+    for obj in k8s_objects():
+        if obj["kind"] == "Deployment":
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                found.append((f"k8s {c['name']}", c["command"] + c.get("args", []), {e["name"] for e in c["env"]}))
+    for unit in UNITS:
+        entries = unit_entries(unit)
+        env: set[str] = set()
+        for file in [v for _, k, v in entries if k == "EnvironmentFile"]:
+            env |= set(env_file(example_of(file)))
+        found.append((unit.name, shlex.split(next(v for _, k, v in entries if k == "ExecStart")), env))
+    for dockerfile in DOCKERFILES:
+        for line in dockerfile.read_text(encoding="utf-8").splitlines():
+            if line.startswith("CMD "):
+                found.append((str(dockerfile.relative_to(DEPLOY)), json.loads(line[4:]), set()))
+    return found
+
+
+def example_of(environment_file: str) -> Path:
+    """/etc/hsx/NAME's example in deploy/systemd (an instance's: worker-0.env for worker-%i.env)."""
+    assert environment_file.startswith("/etc/hsx/"), environment_file
+    return DEPLOY / "systemd" / (Path(environment_file.replace("%i", "0")).name + ".example")
+
+
+def test_every_hsx_command_line_parses_and_every_variable_is_a_setting_it_takes() -> None:
+    found = processes()
+    commands = {(Path(argv[0]).name, argv[1]) for _, argv, _ in found}
+    assert {("hsx", "serve"), ("hsx", "worker"), ("hsx", "reference-server"), ("python3", "-m")} <= commands
+    problems = [p for where, argv, env in found for p in process_problems(where, argv, env)]
+    assert problems == []
+
+
+def test_the_process_check_catches_a_bad_flag_and_a_foreign_variable() -> None:
+    assert process_problems("x", ["hsx", "worker", "--port", "8000"], set())  # an API flag
+    assert process_problems("x", ["hsx", "worker"], {"HSX_PORT"}) == ["x: hsx worker takes no setting HSX_PORT"]
+    assert process_problems("x", ["hsx", "serve"], {"HSX_DATABSE_URL"})
+    assert process_problems("x", ["python3", "-m", "sglang.launch_server"], {"HSX_DATABASE_URL"})
+    assert process_problems("x", ["hsx", "serve", "--no-writer"], {"HSX_DATABASE_URL", "HSX_API_TOKENS"}) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# compose: what is shared
+
+
+def compose_mounts(svc: dict[str, Any]) -> list[tuple[str, str]]:
+    return [tuple(v.split(":")[:2]) for v in svc.get("volumes", [])]  # type: ignore[misc]
+
+
+def test_compose_shares_the_dump_root_with_the_model_server_and_the_output_root_with_the_api() -> None:
+    spec = compose()
+    api, worker, server = (spec["services"][n] for n in ("api", "worker", "model-server"))
+    dump_root = worker["environment"]["HSX_DUMP_ROOT"]
+    server_dump_root = server["command"][server["command"].index("--dump-root") + 1]
+    assert server_dump_root == dump_root
+    dumps = mount_of(dump_root, compose_mounts(worker))
+    assert dumps == mount_of(server_dump_root, compose_mounts(server))
+    assert spec["volumes"][dumps]["driver_opts"]["type"] == "tmpfs"
+    output = worker["environment"]["HSX_OUTPUT_ROOT"]
+    assert output == api["environment"]["HSX_OUTPUT_ROOT"]
+    assert mount_of(output, compose_mounts(worker)) == mount_of(output, compose_mounts(api))
+    assert worker["environment"]["HSX_DATABASE_URL"] == api["environment"]["HSX_DATABASE_URL"]
+    port = server["command"][server["command"].index("--port") + 1]
+    assert worker["environment"]["HSX_BACKEND_URL"] == f"http://model-server:{port}"
+    assert "/healthz" in " ".join(api["healthcheck"]["test"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# kubernetes: what is shared, secrets, probes
+
+
+def test_the_sglang_pod_shares_a_memory_backed_dump_root_with_its_worker() -> None:
+    pod = k8s_object("Deployment", "hsx-sglang")["spec"]["template"]["spec"]
+    sglang, worker = pod["containers"]
+    assert sglang["command"] == ["python3", "-m", "sglang.launch_server"]
+    assert env_value(sglang, "SGLANG_PLUGINS") == "hsx_dump"
+    dump_root = env_value(worker, "HSX_DUMP_ROOT")
+    assert env_value(sglang, "HSX_DUMP_ROOT") == dump_root
+    volume = mount_of(dump_root, [(m["name"], m["mountPath"]) for m in worker["volumeMounts"]])
+    assert volume == mount_of(dump_root, [(m["name"], m["mountPath"]) for m in sglang["volumeMounts"]])
+    assert next(v for v in pod["volumes"] if v["name"] == volume)["emptyDir"]["medium"] == "Memory"
+    port = sglang["args"][sglang["args"].index("--port") + 1]
+    assert env_value(worker, "HSX_BACKEND_URL") == f"http://127.0.0.1:{port}"
+    assert (
+        pod["securityContext"]["runAsUser"]
+        == k8s_object("Deployment", "hsx-api")["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+    ), "the API deletes what the workers write"
+
+
+def test_the_api_and_the_workers_share_the_output_claim_and_the_database_secret() -> None:
+    claims = {o["metadata"]["name"] for o in k8s_objects() if o["kind"] == "PersistentVolumeClaim"}
+    outputs, databases = set(), []
+    for name in ("hsx-api", "hsx-sglang"):
+        pod = k8s_object("Deployment", name)["spec"]["template"]["spec"]
+        hsx = next(c for c in pod["containers"] if c["command"][0] == "hsx")
+        volume = mount_of(env_value(hsx, "HSX_OUTPUT_ROOT"), [(m["name"], m["mountPath"]) for m in hsx["volumeMounts"]])
+        claim = next(v for v in pod["volumes"] if v["name"] == volume)["persistentVolumeClaim"]["claimName"]
+        outputs.add((env_value(hsx, "HSX_OUTPUT_ROOT"), claim))
+        databases.append(env_value(hsx, "HSX_DATABASE_URL"))
+    (output_root, claim), *others = outputs
+    assert not others and claim in claims
+    assert next(o for o in k8s_objects() if o["metadata"]["name"] == claim)["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert all(d == {"secretKeyRef": {"name": "hsx-database", "key": "url"}} for d in databases), databases
+
+
+def test_the_api_is_ready_by_healthz_and_its_service_reaches_it() -> None:
+    deployment = k8s_object("Deployment", "hsx-api")
+    (api,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert api["command"][:3] == ["hsx", "serve", "--no-writer"]
+    (port,) = api["ports"]
+    for probe in ("readinessProbe", "startupProbe", "livenessProbe"):
+        assert api[probe]["httpGet"] == {"path": "/healthz", "port": port["name"]}, probe
+    assert api["command"][api["command"].index("--port") + 1] == str(port["containerPort"])
+    service = k8s_object("Service", "hsx-api")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == [port["name"]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# systemd
+
+
+def test_the_units_run_hsx_as_their_own_user_with_a_restart_policy_and_a_sandbox() -> None:
+    for unit in UNITS:
+        entries = {(s, k): v for s, k, v in unit_entries(unit)}
+        assert entries[("Service", "User")] == "hsx", unit.name
+        assert entries[("Service", "Restart")] == "on-failure", unit.name
+        assert entries[("Service", "RestartPreventExitStatus")] == "2", unit.name
+        assert entries[("Service", "ProtectSystem")] == "strict", unit.name
+        assert entries[("Service", "NoNewPrivileges")] == "yes", unit.name
+        assert entries[("Service", "CapabilityBoundingSet")] == "", unit.name
+        assert entries[("Install", "WantedBy")] == "multi-user.target", unit.name
+        for _, key, value in unit_entries(unit):
+            if key == "EnvironmentFile":
+                assert example_of(value).exists(), f"{unit.name}: no example for {value}"
+
+
+def test_the_worker_template_reads_its_instances_settings() -> None:
+    entries = unit_entries(DEPLOY / "systemd" / "hsx-worker@.service")
+    files = [v for _, k, v in entries if k == "EnvironmentFile"]
+    assert files[-1] == "/etc/hsx/worker-%i.env", "the instance's file comes last, so it wins"
+    instance = env_file(example_of(files[-1]))
+    assert {"HSX_BACKEND_URL", "HSX_DUMP_ROOT"} <= set(instance)
+    assert "%i" in next(v for _, k, v in entries if k == "Description")
+
+
+def installed_hsx() -> Path:
+    exe = Path(sys.executable).parent / "hsx"
+    if not exe.exists():
+        pytest.skip("the hsx console script is not installed beside this interpreter")
+    return exe
+
+
+def systemd_copies(tmp_path: Path) -> list[Path]:
+    """The units, ExecStart pointing at the installed hsx (verify checks the program exists), the
+    template as its instance 0."""
+    copies = []
+    for unit in UNITS:
+        target = tmp_path / unit.name.replace("@.", "@0.")
+        target.write_text(unit.read_text(encoding="utf-8").replace("/opt/hsx/.venv/bin/hsx", str(installed_hsx())))
+        copies.append(target)
+    return copies
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_finds_nothing(tmp_path: Path) -> None:
+    for unit in systemd_copies(tmp_path):
+        done = subprocess.run(
+            ["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, cwd=tmp_path
+        )
+        # verify exits 0 on unknown keys and bad values too, with a warning: any output is a finding.
+        assert (done.returncode, done.stdout + done.stderr) == (0, ""), unit.name
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_rates_every_unit_ok(tmp_path: Path) -> None:
+    for unit in systemd_copies(tmp_path):
+        done = subprocess.run(
+            ["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True, cwd=tmp_path
+        )
+        level = re.search(r"Overall exposure level for \S+: ([\d.]+) (\w+)", done.stdout)
+        assert level, done.stdout + done.stderr
+        print(f"{unit.name}: exposure {level[1]} {level[2]}")
+        assert float(level[1]) <= 2.0, done.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# images
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_dockerfile_copies_what_its_build_context_holds(dockerfile: Path) -> None:
+    context = DOCKERFILES[dockerfile]
+    copied = [
+        word
+        for line in dockerfile.read_text(encoding="utf-8").splitlines()
+        if line.startswith("COPY ")
+        for word in line.split()[1:-1]
+    ]
+    assert copied
+    assert [w for w in copied if not (context / w).exists()] == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# deploy/README.md
+
+
+def test_the_readmes_commands_name_files_that_exist_and_hsx_lines_that_parse() -> None:
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    lines = [
+        ln.split("  #")[0].strip()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+        for ln in block.splitlines()
+    ]
+    hsx_lines = [shlex.split(ln) for ln in lines if ln.startswith("hsx ")]
+    assert len(hsx_lines) >= 2
+    assert [p for argv in hsx_lines for p in process_problems("deploy/README.md", argv, set())] == []
+    named = set(re.findall(r"\bdeploy/[\w./@-]+", "\n".join(lines)))
+    assert named and [n for n in named if not (DEPLOY.parent / n.rstrip("/")).exists()] == []
+    enabled = re.findall(r"systemctl enable --now (\S+)", text)
+    assert enabled and all(
+        (DEPLOY / "systemd" / re.sub(r"@\w+$", "@", u)).with_suffix(".service").exists() for u in enabled
+    )
