@@ -70,6 +70,21 @@ def alembic_config(engine: Engine) -> Config:
     return cfg
 
 
+# Any 64-bit number no other program uses on the same database: "hsx" in ASCII.
+MIGRATION_LOCK = 0x687378
+
+
 def upgrade(engine: Engine) -> None:
-    """Bring the database to the newest schema (`alembic upgrade head`)."""
-    command.upgrade(alembic_config(engine), "head")
+    """Bring the database to the newest schema (`alembic upgrade head`). On Postgres the API and
+    every worker may start at once on an empty database: an advisory lock runs one upgrade at a
+    time, and the others then find the schema current."""
+    if engine.dialect.name != "postgresql":
+        command.upgrade(alembic_config(engine), "head")
+        return
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK})")
+        try:
+            command.upgrade(alembic_config(engine), "head")
+        finally:
+            conn.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})")
+            conn.commit()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -49,3 +50,28 @@ def _repo_root():
     from hsx.db.engine import MIGRATIONS_DIR
 
     return MIGRATIONS_DIR.parent
+
+
+def test_processes_starting_together_on_an_empty_postgres_upgrade_it_once(postgres_url):
+    """The API and every worker migrate at start; on an empty database they must not collide."""
+    engines = [make_engine(postgres_url) for _ in range(4)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(engines))
+
+    def start(engine) -> None:
+        barrier.wait()
+        try:
+            upgrade(engine)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with engines[0].connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    for e in engines:
+        e.dispose()
