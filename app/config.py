@@ -9,6 +9,32 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SOURCES = ("auto", "dumps", "response")
+TOKEN_ROLES = ("write", "read")
+
+
+def parse_tokens(spec: str) -> dict[str, str]:
+    """ "tok1,tok2:read" -> {"tok1": "write", "tok2": "read"}; "" -> {} (no tokens: no authentication).
+
+    Anything doubtful is an error, never a guess: a role other than read or write (a mistyped one must
+    not grant write access), an empty token, a token listed twice, or a list that holds no token."""
+    if not spec:
+        return {}
+    tokens: dict[str, str] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        token, colon, role = part.partition(":")
+        token, role = token.strip(), role.strip() if colon else "write"
+        if not token:
+            raise ValueError(f"{part!r} has no token before the colon")
+        if role not in TOKEN_ROLES:
+            raise ValueError(f"unknown role {role!r} for a token; use TOKEN (may write) or TOKEN:read (may only read)")
+        if token in tokens:
+            raise ValueError("a token is listed twice; list each token once, with one role")
+        tokens[token] = role
+    if not tokens:
+        raise ValueError(f"{spec!r} lists no token; give TOKEN or TOKEN:read items, or leave it unset for no tokens")
+    return tokens
 
 
 class Settings(BaseSettings):
@@ -66,8 +92,9 @@ class Settings(BaseSettings):
     )
     api_tokens: str = Field(
         "",
-        description="comma-separated bearer tokens, each TOKEN or TOKEN:read; when set, every endpoint but "
-        "/healthz needs one, and :read tokens may only read",
+        description="comma-separated bearer tokens, each TOKEN or TOKEN:read (TOKEN:write is the same as TOKEN); "
+        "when set, every endpoint but /healthz needs one, and :read tokens may only read; any other role, or a "
+        "list without a token, stops the service from starting",
     )
     lease_s: float = Field(
         30.0,
@@ -86,6 +113,12 @@ class Settings(BaseSettings):
     def _known_source(cls, value: str) -> str:
         if value not in SOURCES:
             raise ValueError(f"must be one of {', '.join(SOURCES)}")
+        return value
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _valid_tokens(cls, value: str) -> str:
+        parse_tokens(value)
         return value
 
     def resolved_staging_dir(self) -> Path:

@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from hsx.api import jobs, openapi, problems, security, system
-from hsx.config import Settings
+from hsx.config import Settings, parse_tokens
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.extraction import Writer
 from hsx.service.backend_info import BackendInfo
@@ -42,5 +42,5 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     security.install(app, settings.api_tokens)
     app.include_router(jobs.router)
     app.include_router(system.router)
-    openapi.install(app, bearer=bool(security.parse_tokens(settings.api_tokens)))
+    openapi.install(app, bearer=bool(parse_tokens(settings.api_tokens)))
     return app

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
@@ -17,6 +16,7 @@ from hsx.api.deps import (
     SettingsDep,
     WriterDep,
 )
+from hsx.api.params import JobCursor, JobId, NameQuery, SampleCursor, SampleIdPath, ShardName
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
 from hsx.api.schemas import JobOut, JobPage, JobStateValue, SampleOut, SamplePage, SampleStateValue
 from hsx.api.views import job_out, sample_out
@@ -24,17 +24,20 @@ from hsx.db import repository as repo
 from hsx.extraction import Writer
 from hsx.layers import check_layers, parse_layers
 from hsx.manifest import build_manifest
+from hsx.names import shown
 from hsx.service import jobs as service
 from hsx.service.errors import InvalidInput, NotFound
 from hsx.service.tensors import sample_tensors
 from hsx.states import TERMINAL_JOB_STATES
 from starlette.concurrency import run_in_threadpool
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
 def _problems(*codes: int) -> dict:
     text = {
+        400: "Malformed Range header",
         401: "Missing or unknown token",
         403: "Not allowed",
         404: "Not found",
@@ -49,7 +52,7 @@ def _problems(*codes: int) -> dict:
     schema = {"$ref": "#/components/schemas/Problem"}
     return {
         c: {"description": text[c], "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}}}
-        for c in (401, 403, 503, *codes)
+        for c in (401, 403, 422, 503, *codes)  # 422: every route takes a parameter (see hsx.api.params)
     }
 
 
@@ -75,7 +78,7 @@ CREATE_BODY = {
     "",
     status_code=202,
     response_model=JobOut,
-    responses=_problems(413, 415, 422, 507),
+    responses=_problems(413, 415, 507),
     openapi_extra=CREATE_BODY,
     summary="Create an extraction job",
     description="Samples inline (`samples`), from a JSONL file under the service's input root "
@@ -90,7 +93,7 @@ async def create_job(
     sessions: SessionsDep,
     backend: BackendDep,
     writer: WriterDep,
-    name: Annotated[str | None, Query(max_length=200, description="job name (NDJSON bodies only)")] = None,
+    name: NameQuery = None,
     layers: Annotated[str | None, Query(description="comma-separated layers (NDJSON bodies only)")] = None,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobOut:
@@ -148,11 +151,11 @@ def _wake(writer: Writer | None) -> None:
 # --- reading ----------------------------------------------------------------------------------
 
 
-@router.get("", response_model=JobPage, responses=_problems(422), summary="List jobs, newest first")
+@router.get("", response_model=JobPage, responses=_problems(), summary="List jobs, newest first")
 def list_jobs(
     session: ReadSessionDep,
     state: JobStateValue | None = None,
-    after: Annotated[str | None, Query(max_length=40, description="job id the previous page ended with")] = None,
+    after: JobCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> JobPage:
     rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
@@ -166,7 +169,7 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=_problems(404), summary="A job's state and progress")
-def get_job(job_id: str, session: ReadSessionDep) -> JobOut:
+def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
     job = service.get_job(session=session, job_id=job_id)
     return job_out(job, repo.waiting_reason(session))
 
@@ -183,7 +186,7 @@ def get_job(job_id: str, session: ReadSessionDep) -> JobOut:
     response_class=StreamingResponse,
     summary="Live progress as server-sent events",
 )
-async def job_events(job_id: str, request: Request, sessions: ReadSessionsDep):
+async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep):
     def load() -> JobOut | None:
         with sessions() as s:
             job = repo.get_job(s, job_id)
@@ -191,7 +194,7 @@ async def job_events(job_id: str, request: Request, sessions: ReadSessionsDep):
 
     first = await run_in_threadpool(load)
     if first is None:
-        raise NotFound(f"job {job_id!r}")
+        raise NotFound(f"job {shown(job_id)}")
 
     async def stream() -> AsyncIterator[bytes]:
         job, last, quiet = first, None, 0.0
@@ -216,14 +219,14 @@ async def job_events(job_id: str, request: Request, sessions: ReadSessionsDep):
 @router.get(
     "/{job_id}/samples",
     response_model=SamplePage,
-    responses=_problems(404, 422),
+    responses=_problems(404),
     summary="Per-sample state, token counts, attempts, errors and placement",
 )
 def list_samples(
-    job_id: str,
+    job_id: JobId,
     session: ReadSessionDep,
     state: SampleStateValue | None = None,
-    after: Annotated[str | None, Query(max_length=200, description="sample id the previous page ended with")] = None,
+    after: SampleCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> SamplePage:
     service.get_job(session=session, job_id=job_id)
@@ -255,7 +258,9 @@ def list_samples(
     response_class=Response,
     summary="One stored sample's tensors as a small safetensors file",
 )
-def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, settings: SettingsDep) -> Response:
+def get_sample_tensors(
+    job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep, settings: SettingsDep
+) -> Response:
     sample, data = sample_tensors(session=session, job_id=job_id, sample_id=sample_id, output_root=settings.output_root)
     return Response(
         data,
@@ -270,7 +275,7 @@ def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, set
     responses=_problems(404),
     summary="One sample, with every attempt and its outcome",
 )
-def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOut:
+def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) -> SampleOut:
     sample = service.get_sample(session=session, job_id=job_id, sample_id=sample_id)
     return sample_out(sample, repo.sample_attempts(session, sample.pk))
 
@@ -280,23 +285,34 @@ def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOu
     responses=_problems(404),
     summary="The job's manifest: model, layers, shards (with sha256) and where each sample lies",
 )
-def get_manifest(job_id: str, session: ReadSessionDep) -> dict:
+def get_manifest(job_id: JobId, session: ReadSessionDep) -> dict:
     return build_manifest(session, service.get_job(session=session, job_id=job_id)).model_dump(mode="json")
 
 
-RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+def _check_range(wanted: str, size: int) -> None:
+    """Refuse as problems the Range headers that the file response would refuse in plain text. It parses
+    them with this same method when it sends the file, so both always agree."""
+    try:
+        FileResponse._parse_range_header(wanted, size)
+    except MalformedRangeHeader as exc:
+        why = exc.content.rstrip(".")
+        raise HTTPException(400, f"{why}; ask for bytes=START-END, bytes=START- or bytes=-LENGTH") from None
+    except RangeNotSatisfiable:
+        raise HTTPException(
+            416, f"range starts past the end of the {size}-byte shard", headers={"Content-Range": f"bytes */{size}"}
+        ) from None
 
 
 @router.get(
     "/{job_id}/shards/{name}",
     responses={
-        **_problems(404, 416),
+        **_problems(400, 404, 416),
         200: {"content": {"application/octet-stream": {}}, "description": "the shard (safetensors); Range supported"},
     },
     response_class=FileResponse,
     summary="Download one shard; supports Range, ETag (its sha256) and If-None-Match",
 )
-def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: SettingsDep, request: Request):
+def get_shard(job_id: JobId, name: ShardName, session: ReadSessionDep, settings: SettingsDep, request: Request):
     shard, path = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
     etag = f'"{shard.sha256}"'
     headers = {"ETag": etag, "X-Content-SHA256": shard.sha256, "Cache-Control": "private, max-age=0"}
@@ -304,13 +320,7 @@ def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: Setting
         return Response(status_code=304, headers=headers)
     wanted = request.headers.get("range")
     if wanted is not None:
-        m = RANGE.match(wanted.strip())
-        if m and m.group(1) and int(m.group(1)) >= shard.bytes:
-            raise HTTPException(
-                416,
-                f"range starts past the end of the {shard.bytes}-byte shard",
-                headers={"Content-Range": f"bytes */{shard.bytes}"},
-            )
+        _check_range(wanted, shard.bytes)
     return FileResponse(path, media_type="application/octet-stream", filename=shard.name, headers=headers)
 
 
@@ -323,7 +333,7 @@ def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: Setting
     responses=_problems(404, 409),
     summary="Cancel: queued samples are cancelled; the one in flight finishes and is stored",
 )
-def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOut:
+def cancel_job(job_id: JobId, session: SessionDep, settings: SettingsDep) -> JobOut:
     return job_out(service.cancel_job(session=session, job_id=job_id, output_root=settings.output_root))
 
 
@@ -333,7 +343,7 @@ def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOu
     responses=_problems(404, 409),
     summary="Queue the job's failed samples again, with a fresh attempt budget",
 )
-def retry_job(job_id: str, session: SessionDep, writer: WriterDep) -> JobOut:
+def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
     job = service.retry_job(session=session, job_id=job_id)
     _wake(writer)
     return job_out(job)
@@ -346,7 +356,7 @@ def retry_job(job_id: str, session: SessionDep, writer: WriterDep) -> JobOut:
     responses=_problems(404, 409),
     summary="Delete a finished job's records, and with delete_files=true its shards and manifest",
 )
-def delete_job(job_id: str, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:
+def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:
     service.delete_job(session=session, job_id=job_id, output_root=settings.output_root, delete_files=delete_files)
     return Response(status_code=204)
 
@@ -356,5 +366,5 @@ def delete_job(job_id: str, session: SessionDep, settings: SettingsDep, delete_f
     responses=_problems(404, 409),
     summary="Check every shard's sha256 and every sample's shapes, dtype and finite values",
 )
-def verify(job_id: str, session: ReadSessionDep, settings: SettingsDep) -> dict:
+def verify(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
     return service.verify_job(session=session, job_id=job_id, output_root=settings.output_root)

@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from typing import Annotated, Literal, overload
 
 from hsx.layers import check_layers
+from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
 from hsx.states import JobState, SampleState
 from pydantic import (
     BaseModel,
@@ -14,7 +15,6 @@ from pydantic import (
     Field,
     GetPydanticSchema,
     StrictInt,
-    StrictStr,
     field_validator,
     model_validator,
 )
@@ -29,6 +29,11 @@ def _one_of(states: type[enum.Enum]) -> GetPydanticSchema:
     return GetPydanticSchema(lambda _type, _handler: core_schema.no_info_after_validator_function(states, values))
 
 
+# A relative file name, under the character rule of ids and names, no longer than Linux's PATH_MAX (the
+# input root adds to it; the file system refuses what is then too long, see intake.resolve_input_path).
+MAX_INPUT_PATH = 4096
+InputPath = Annotated[PlainText, Field(max_length=MAX_INPUT_PATH, json_schema_extra={"pattern": PATTERN})]
+
 JobStateValue = Annotated[str, _one_of(JobState)]
 SampleStateValue = Annotated[str, _one_of(SampleState)]
 
@@ -36,7 +41,11 @@ SampleStateValue = Annotated[str, _one_of(SampleState)]
 class SampleIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: StrictStr | StrictInt | None = Field(None, description="unique within the job; default: the sample's index")
+    id: SampleId | None = Field(
+        None,
+        description=f"unique within the job; default: the sample's index. A string of 1 to {MAX_LENGTH} characters "
+        "without control characters, or a 64-bit integer (stored as its decimal text)",
+    )
     input_ids: list[StrictInt] = Field(..., description="prompt token ids, at least one")
     loss_mask: list[StrictInt] | None = Field(None, description="0/1 per token, same length; default all 1")
 
@@ -44,9 +53,9 @@ class SampleIn(BaseModel):
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = Field(None, max_length=200)
+    name: Name | None = Field(None, description=f"at most {MAX_LENGTH} characters, without control characters")
     samples: list[SampleIn] | None = Field(None, description="the samples, inline")
-    input_path: str | None = Field(
+    input_path: InputPath | None = Field(
         None, description="a JSONL file (one sample object per line) relative to the service's input root"
     )
     layers: list[StrictInt] | None = Field(

@@ -6,22 +6,12 @@ import hmac
 
 from fastapi import FastAPI, Request
 from hsx.api.problems import problem_response
+from hsx.config import parse_tokens
 
 OPEN_PATHS = {"/healthz"}
 READ_METHODS = {"GET", "HEAD", "OPTIONS"}
 # Actions that only read, though they are POSTs: read-only tokens may run them.
 READ_ACTION_SUFFIXES = ("/verify",)
-
-
-def parse_tokens(spec: str) -> dict[str, str]:
-    """ "tok1,tok2:read" -> {"tok1": "write", "tok2": "read"}."""
-    tokens = {}
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        token, _, role = part.partition(":")
-        tokens[token] = "read" if role == "read" else "write"
-    return tokens
 
 
 def install(app: FastAPI, spec: str) -> None:

@@ -10,6 +10,7 @@ import sys
 from typing import Any, get_args
 
 from hsx.config import Settings
+from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 NAME = "serve"
@@ -67,6 +68,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
+def setting_errors(exc: ValidationError) -> list[str]:
+    """Each refused setting as its flag, its variable and why; never the value, which may be a secret."""
+    lines = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else ""
+        flag = OFF_SWITCHES.get(name, f"--{name.replace('_', '-')}")
+        why = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{flag} ({_env_var(name)}): {why}")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     import uvicorn
     from hsx.api.app import create_app
@@ -75,7 +87,12 @@ def main(args: argparse.Namespace) -> int:
     from hsx.extraction import Writer, writer_engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        for line in setting_errors(exc):
+            print(f"hsx serve: {line}", file=sys.stderr)
+        return 2
     writer = None
     if settings.run_writer:
         writer = Writer(settings, session_factory(writer_engine(settings)))

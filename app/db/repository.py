@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, cast
 
 from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
+from hsx.names import could_be_stored
 from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
 from sqlalchemy import CursorResult, Result, case, delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
@@ -247,6 +248,8 @@ def delete_job(session: Session, job_id: str) -> bool | None:
 
 
 def get_job(session: Session, job_id: str) -> JobRow | None:
+    if not could_be_stored(job_id):
+        return None
     return session.get(JobRow, job_id)
 
 
@@ -675,6 +678,8 @@ def list_samples(
 
 
 def get_sample(session: Session, job_id: str, sample_id: str) -> SampleRow | None:
+    if not (could_be_stored(job_id) and could_be_stored(sample_id)):
+        return None
     return session.execute(
         select(SampleRow).where(SampleRow.job_id == job_id, SampleRow.sample_id == sample_id)
     ).scalar_one_or_none()
@@ -693,6 +698,8 @@ def job_shards(session: Session, job_id: str) -> list[ShardRow]:
 
 
 def get_shard(session: Session, job_id: str, name: str) -> ShardRow | None:
+    if not (could_be_stored(job_id) and could_be_stored(name)):
+        return None
     return session.execute(
         select(ShardRow).where(ShardRow.job_id == job_id, ShardRow.name == name)
     ).scalar_one_or_none()

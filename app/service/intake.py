@@ -7,6 +7,7 @@ refused request stores nothing. Errors name the sample index (and line) and the 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import shutil
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from hsx.api.schemas import SampleIn
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
+from hsx.names import shown
 from hsx.service.errors import InsufficientStorage, InvalidInput, OutsideInputRoot
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
@@ -116,7 +118,7 @@ class Ingest:
         return any(s.sample_id == sid for s in self.batch) or self.builder.has_sample_id(sid)
 
     def _check(self, index: int, sample: SampleIn, where: dict) -> NewSample | None:
-        sid = str(sample.id) if sample.id is not None else str(index)
+        sid = sample.id if sample.id is not None else str(index)
         bad = len(self.errors)
 
         def err(field: str, message: str) -> None:
@@ -209,22 +211,47 @@ def numbered_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, SampleIn
 
 
 def resolve_input_path(input_root: Path, relative: str) -> Path:
-    """The file `relative` names under the input root; anything outside it is refused."""
+    """The file `relative` names under the input root; anything outside it is refused, and a name the
+    file system cannot follow (too long, a symlink loop) is invalid input."""
     root = Path(input_root).resolve()
     candidate = Path(relative)
-    if candidate.is_absolute() or "\x00" in relative:
+    if candidate.is_absolute():
         raise OutsideInputRoot("input_path must be relative to the service's input root")
-    path = (root / candidate).resolve()
-    if path != root and root not in path.parents:
-        raise OutsideInputRoot("input_path points outside the service's input root")
-    if not path.is_file():
-        raise InvalidInput([{"field": "input_path", "message": f"no file {relative!r} under the input root"}])
+    try:
+        path = (root / candidate).resolve()
+        if path != root and root not in path.parents:
+            raise OutsideInputRoot("input_path points outside the service's input root")
+        found = path.is_file()
+    except RuntimeError:  # Python < 3.13 reports a symlink loop so, later ones as OSError(ELOOP)
+        raise _unreadable(relative, "its symbolic links form a loop") from None
+    except OSError as exc:
+        raise _unreadable(relative, _why(exc)) from None
+    if not found:
+        raise InvalidInput([{"field": "input_path", "message": f"no file {shown(relative)} under the input root"}])
     return path
 
 
-def file_lines(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as f:
+def file_lines(path: Path, relative: str) -> Iterator[bytes]:
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise _unreadable(relative, _why(exc)) from None
+    with f:
         yield from f
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "its symbolic links form a loop"
+    if exc.errno == errno.ENAMETOOLONG:
+        return "it, or a name in it, is longer than the file system allows"
+    return exc.strerror or type(exc).__name__
+
+
+def _unreadable(relative: str, why: str) -> InvalidInput:
+    return InvalidInput(
+        [{"field": "input_path", "message": f"cannot open {shown(relative)} under the input root: {why}"}]
+    )
 
 
 async def split_lines(chunks: AsyncIterable[bytes], digest: HASH) -> AsyncIterator[bytes]:

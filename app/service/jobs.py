@@ -16,6 +16,7 @@ from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow, ShardRow
 from hsx.extraction.finishing import finish_job
 from hsx.manifest import MANIFEST_NAME, job_dir
+from hsx.names import shown
 from hsx.service import intake
 from hsx.service.backend_info import BackendInfo
 from hsx.service.errors import IdempotencyKeyReused, InvalidInput, InvalidTransition, NotFound
@@ -28,7 +29,7 @@ def get_job(*, session: Session, job_id: str) -> JobRow:
     """The job, or NotFound."""
     job = repo.get_job(session, job_id)
     if job is None:
-        raise NotFound(f"job {job_id!r}")
+        raise NotFound(f"job {shown(job_id)}")
     return job
 
 
@@ -37,7 +38,7 @@ def get_sample(*, session: Session, job_id: str, sample_id: str) -> SampleRow:
     get_job(session=session, job_id=job_id)
     sample = repo.get_sample(session, job_id, sample_id)
     if sample is None:
-        raise NotFound(f"sample {sample_id!r}")
+        raise NotFound(f"sample {shown(sample_id)}")
     return sample
 
 
@@ -62,7 +63,7 @@ def create_job(
     limits = backend.limits()
     if request.input_path is not None:
         path = intake.resolve_input_path(settings.input_root, request.input_path)
-        items = intake.numbered_lines(intake.file_lines(path))
+        items = intake.numbered_lines(intake.file_lines(path, request.input_path))
     else:
         items = intake.body_items(request.samples or [])
     try:
@@ -188,7 +189,7 @@ def shard_file(*, session: Session, job_id: str, name: str, output_root: Path) -
     get_job(session=session, job_id=job_id)
     shard = repo.get_shard(session, job_id, name)
     if shard is None:
-        raise NotFound(f"shard {name!r}")
+        raise NotFound(f"shard {shown(name)}")
     return shard, job_dir(output_root, job_id) / shard.name
 
 

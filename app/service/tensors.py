@@ -11,6 +11,7 @@ from pathlib import Path
 from hsx.db import repository as repo
 from hsx.db.models import SampleRow
 from hsx.manifest import job_dir
+from hsx.names import shown
 from hsx.service.errors import NotFound, NotStored
 from hsx.service.jobs import get_job
 from hsx.states import SampleState
@@ -23,7 +24,7 @@ def sample_tensors(*, session: Session, job_id: str, sample_id: str, output_root
     job = get_job(session=session, job_id=job_id)
     sample = repo.get_sample(session, job_id, sample_id)
     if sample is None:
-        raise NotFound(f"sample {sample_id!r}")
+        raise NotFound(f"sample {shown(sample_id)}")
     if sample.state != SampleState.SUCCEEDED or sample.shard is None or sample.shard_offset is None:
         raise NotStored(sample_id, sample.state)
     layers = (job.model_info or {}).get("layers", [])

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 from hsx.manifest import load_manifest, read_sample
+from hsx.sdk import HsxClient
 from safetensors import safe_open
 from safetensors.torch import load
 
@@ -184,6 +185,10 @@ def test_downloads_events_and_metrics(stack, recompute):
     assert svc.client.get(url, headers={"If-None-Match": whole.headers["etag"]}).status_code == 304
     past = svc.client.get(url, headers={"Range": f"bytes={shard.bytes}-"})
     assert past.status_code == 416 and past.headers["content-type"].startswith("application/problem+json")
+    for bad, status in (("bytes=200-100", 400), ("items=0-1", 400), ("bytes=" + "9" * 5000 + "-", 400)):
+        refused = svc.client.get(url, headers={"Range": bad})
+        assert refused.status_code == status and refused.headers["content-type"].startswith("application/problem+json")
+        assert "bytes=START-END" in refused.json()["detail"]
 
     one = svc.client.get(f"{svc.url}/v1/jobs/{job_id}/tensors/{samples[2]['id']}")
     assert one.status_code == 200
@@ -235,19 +240,26 @@ def test_tensors_are_served_without_torch(stack, tmp_path, monkeypatch):
     assert refused_imports(blocker) == []
 
 
-def test_sample_ids_with_slashes_are_reachable(stack):
+def test_awkward_sample_ids_are_reachable(stack):
+    """Every id creation accepts reaches its sample and its tensors: slashes (the last, path-typed part of
+    the URL), dot segments, unicode, blanks, URL syntax, the longest ids (200 characters, as Postgres
+    counts them). The SDK percent-encodes them; a raw client encodes at least what is not plain."""
     svc, _ = stack
-    job = svc.wait_job(
-        svc.post_job(
-            {"samples": [{"id": "conv/7", "input_ids": [5, 6, 7]}, {"id": "x/tensors", "input_ids": [8, 9]}]}
-        ).json()["id"]
-    )
+    ids = ["conv/7", "x/tensors", ".", "..", "a/../b", "/", "é ✓ \U0001f600", " spaced ", "?q#f%", "x" * 200]
+    ids.append("\U0001f600" * 200)
+    samples = [{"id": sid, "input_ids": [5 + i, 6, 7][: 1 + i % 3]} for i, sid in enumerate(ids)]
+    job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
     assert job["state"] == "succeeded"
-    for sid, ids in (("conv/7", [5, 6, 7]), ("x/tensors", [8, 9])):
-        quoted = sid.replace("/", "%2F")
-        assert svc.get(f"/v1/jobs/{job['id']}/samples/{quoted}").json()["id"] == sid
-        tensors = load(svc.get(f"/v1/jobs/{job['id']}/tensors/{quoted}").content)
-        assert tensors["input_ids"].tolist() == ids
+    with HsxClient(svc.url) as client:
+        for s in samples:
+            assert client.get_sample(job["id"], s["id"]).id == s["id"]
+            assert client.sample_tensors(job["id"], s["id"])["input_ids"].tolist() == s["input_ids"]
+    quoted = "conv%2F7"  # raw, as a client without the SDK writes it; "/" may also stay as it is
+    for path in (f"samples/{quoted}", "samples/conv/7"):
+        assert svc.get(f"/v1/jobs/{job['id']}/{path}").json()["id"] == "conv/7"
+    assert (
+        load(svc.get(f"/v1/jobs/{job['id']}/tensors/conv/7").content)["input_ids"].tolist() == samples[0]["input_ids"]
+    )
 
 
 def test_tokens_guard_everything_but_health(tmp_path):

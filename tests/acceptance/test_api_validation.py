@@ -8,6 +8,8 @@ import os
 import pytest
 from hsx.db.engine import make_engine
 from hsx.db.models import JobRow, SampleRow
+from hsx.names import MAX_LENGTH
+from hsx.sdk import HsxClient, HsxError
 from sqlalchemy import func, select
 
 from tests.support.stack import start_service
@@ -133,3 +135,179 @@ def test_unknown_things_are_404_problems(service):
     problem(service.get(f"/v1/jobs/{job['id']}/shards/..%2F..%2Fhsx.db"), 404)
     problem(service.get(f"/v1/jobs/{job['id']}/samples", params={"after": "nope"}), 422)
     problem(service.get(f"/v1/jobs/{job['id']}/samples", params={"state": "weird"}), 422)
+
+
+# --- ids and names: one length limit, one character rule, on both databases -----------------------
+
+LONGEST = "x" * MAX_LENGTH
+TOO_LONG = "x" * (MAX_LENGTH + 1)
+
+
+def first_error(body: dict) -> dict:
+    return (body.get("errors") or [{"field": body.get("field")}])[0]
+
+
+@pytest.mark.parametrize(
+    "body,field,words",
+    [
+        ({"samples": [OK, {"id": TOO_LONG, **OK}]}, "id", "201 characters"),
+        ({"samples": [{"id": "a\x00b", **OK}]}, "id", "NUL"),
+        ({"samples": [{"id": "line\nbreak", **OK}]}, "id", "U+000A"),
+        ({"samples": [{"id": "", **OK}]}, "id", "empty"),
+        ({"samples": [{"id": 2**64, **OK}]}, "id", "64 bits"),
+        ({"samples": [{"id": 1.5, **OK}]}, "id", "string or an integer"),
+        ({"name": TOO_LONG, "samples": [OK]}, "name", "at most 200"),
+        ({"name": "night\x00ly", "samples": [OK]}, "name", "NUL"),
+        ({"name": "tab\t", "samples": [OK]}, "name", "U+0009"),
+        ({"input_path": "in\x00put.jsonl"}, "input_path", "NUL"),
+        ({"input_path": "a" * 5000}, "input_path", "at most 4096"),
+    ],
+)
+def test_ids_and_names_past_the_limits_are_refused(service, unchanged, body, field, words):
+    err = first_error(problem(service.post_job(body), 422))
+    assert err["field"] == field and words in err["message"], err
+
+
+def test_lone_surrogates_are_invalid_json(service, unchanged):
+    for raw in (b'{"samples": [{"id": "a\\ud800", "input_ids": [1]}]}', b'{"name": "\\udc00", "samples": []}'):
+        resp = service.client.post(service.url + "/v1/jobs", content=raw, headers={"content-type": "application/json"})
+        assert "Invalid JSON" in problem(resp, 422)["detail"]
+
+
+def ndjson(service, body: bytes, **params) -> dict:
+    resp = service.client.post(
+        service.url + "/v1/jobs", content=body, params=params, headers={"content-type": "application/x-ndjson"}
+    )
+    return problem(resp, 422)
+
+
+def test_streamed_and_file_samples_follow_the_same_limits(service, unchanged):
+    lines = [OK, {"id": TOO_LONG, **OK}, {"id": "nul\x00", **OK}]
+    text = "".join(json.dumps(x) + "\n" for x in lines)
+    (service.input_root / "limits.jsonl").write_text(text)
+    for body in (ndjson(service, text.encode()), problem(service.post_job({"input_path": "limits.jsonl"}), 422)):
+        assert [(e["line"], e["field"]) for e in body["errors"]] == [(2, "id"), (3, "id")]
+        assert "201 characters" in body["errors"][0]["message"] and "NUL" in body["errors"][1]["message"]
+    surrogate = ndjson(service, b'{"id": "\\ud800x", "input_ids": [1]}\n')
+    assert surrogate["errors"][0]["line"] == 1 and "Invalid JSON" in surrogate["errors"][0]["message"]
+    for name, words in ((TOO_LONG, "at most 200"), ("a\x00", "NUL")):
+        err = first_error(ndjson(service, (json.dumps(OK) + "\n").encode(), name=name))
+        assert err["field"] == "query.name" and words in err["message"], err
+
+
+def test_ids_at_the_limits_are_stored_and_addressable(service):
+    """Whatever creation accepts, paths and cursors reach: the longest ids (in characters, Postgres's
+    measure), unicode, blanks, slashes, dot segments, URL syntax, integers."""
+    ids = [
+        LONGEST,
+        "\U0001f600" * MAX_LENGTH,
+        "é ✓ 中文",
+        "  spaced out  ",
+        "conv/7/turn 2",
+        "/leading",
+        "trailing/",
+        "a//b",
+        ".",
+        "..",
+        "a/../b",
+        "./x",
+        "?q=1&r#frag",
+        "100%",
+        "line\u2028separator\u00a0nbsp",
+        "-9223372036854775808",
+    ]
+    samples = [{"id": sid, **OK} for sid in ids] + [{"id": 2**63 - 1, **OK}]
+    created = service.post_job({"name": "\U0001f600" * MAX_LENGTH, "samples": samples})
+    assert created.status_code == 202, created.text
+    job = created.json()
+    assert job["name"] == "\U0001f600" * MAX_LENGTH
+    with HsxClient(service.url) as client:
+        for sid in ids + [str(2**63 - 1)]:
+            assert client.get_sample(job["id"], sid).id == sid
+            # Not extracted (no writer): the 409 names the sample the path reached.
+            with pytest.raises(HsxError) as exc:
+                client.sample_tensors(job["id"], sid)
+            assert exc.value.status == 409 and repr(sid) in exc.value.detail
+        seen, after = [], None
+        while True:
+            page = client.list_samples(job["id"], after=after, limit=3)
+            seen += [s.id for s in page.data]
+            if not page.has_more:
+                break
+            after = page.next_after
+        assert seen == ids + [str(2**63 - 1)]
+
+
+def test_path_values_no_id_can_hold(service):
+    """Too long: unknown (404), no query sent. NUL: a 422 naming the parameter, never a database error."""
+    job = service.post_job({"samples": [{"id": "a", **OK}]}).json()["id"]
+    base = f"/v1/jobs/{job}"
+    before = stored_rows(service)
+    long_paths = [
+        "/v1/jobs/" + TOO_LONG,
+        "/v1/jobs/" + "j" * 5000,
+        f"/v1/jobs/{TOO_LONG}/samples",
+        f"{base}/samples/{TOO_LONG}",
+        f"{base}/tensors/{TOO_LONG}",
+        f"{base}/shards/{TOO_LONG}",
+    ]
+    for path in long_paths:
+        assert problem(service.get(path), 404)["detail"].endswith("characters) not found"), path[:60]
+    nul = {
+        ("GET", "/v1/jobs/a%00b"): "path.job_id",
+        ("GET", "/v1/jobs/a%00b/events"): "path.job_id",
+        ("GET", "/v1/jobs/a%00b/samples"): "path.job_id",
+        ("GET", "/v1/jobs/a%00b/manifest"): "path.job_id",
+        ("POST", "/v1/jobs/a%00b/cancel"): "path.job_id",
+        ("POST", "/v1/jobs/a%00b/retry"): "path.job_id",
+        ("POST", "/v1/jobs/a%00b/verify"): "path.job_id",
+        ("DELETE", "/v1/jobs/a%00b"): "path.job_id",
+        ("GET", f"{base}/samples/a%00"): "path.sample_id",
+        ("GET", f"{base}/tensors/a%00"): "path.sample_id",
+        ("GET", f"{base}/shards/a%00.safetensors"): "path.name",
+    }
+    for (method, path), field in nul.items():
+        err = first_error(problem(service.client.request(method, service.url + path), 422))
+        assert err["field"] == field and "NUL" in err["message"], (path, err)
+    assert service.get(f"{base}/samples/a").status_code == 200  # the connection and the job are fine
+    assert stored_rows(service) == before
+
+
+def test_query_values_no_id_can_hold(service):
+    job = service.post_job({"samples": [{"id": "a", **OK}]}).json()["id"]
+    cases = [
+        ("/v1/jobs", {"after": "job_\x00"}, "query.after", "NUL"),
+        ("/v1/jobs", {"after": TOO_LONG}, "query.after", "at most 200"),
+        ("/v1/jobs", {"state": "queued\x00"}, "query.state", "queued"),
+        ("/v1/jobs", {"limit": "0"}, "query.limit", "greater than or equal to 1"),
+        ("/v1/jobs", {"limit": "1001"}, "query.limit", "less than or equal to 1000"),
+        ("/v1/jobs", {"limit": "9" * 30}, "query.limit", "less than or equal to 1000"),
+        (f"/v1/jobs/{job}/samples", {"after": "a\x00"}, "query.after", "NUL"),
+        (f"/v1/jobs/{job}/samples", {"after": TOO_LONG}, "query.after", "at most 200"),
+        (f"/v1/jobs/{job}/samples", {"state": "\x00"}, "query.state", "queued"),
+        (f"/v1/jobs/{job}/samples", {"limit": "-1"}, "query.limit", "greater than or equal to 1"),
+    ]
+    for path, params, field, words in cases:
+        err = first_error(problem(service.get(path, params=params), 422))
+        assert err["field"] == field and words in err["message"], (params, err)
+    # A job cursor at the limit is a cursor like any other (ids sort by creation; nothing is that long).
+    assert service.get("/v1/jobs", params={"after": LONGEST}).status_code == 200
+
+
+def test_input_paths_the_file_system_cannot_follow(service, unchanged):
+    loop = service.input_root / "loop"
+    for link, target in ((loop / "a", "b"), (loop / "b", "a")):
+        loop.mkdir(exist_ok=True)
+        link.unlink(missing_ok=True)
+        os.symlink(target, link)
+    (service.input_root / "folder").mkdir(exist_ok=True)
+    cases = {
+        "loop/a": "loop",
+        "loop/a/samples.jsonl": "loop",
+        "n" * 300 + ".jsonl": "longer than the file system allows",
+        "d/" * 2044 + "x.jsonl": "longer than the file system allows",
+        "folder": "no file",
+    }
+    for path, words in cases.items():
+        err = first_error(problem(service.post_job({"input_path": path}), 422))
+        assert err["field"] == "input_path" and words in err["message"], (path[:20], err)

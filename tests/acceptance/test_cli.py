@@ -106,6 +106,31 @@ def test_serve_settings_flags_win_over_environment(monkeypatch):
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize(
+    "spec,words,via",
+    [
+        ("viewer:Read", "unknown role 'Read'", "flag"),
+        ("admin-secret,ro:readonly", "unknown role 'readonly'", "environment"),
+        (" , ", "lists no token", "flag"),
+        ("same-secret:read,same-secret", "listed twice", "environment"),
+    ],
+)
+def test_serve_refuses_doubtful_tokens(tmp_path, spec, words, via):
+    """A token list that would fail open (a mistyped role granting write access, a list that turns
+    authentication off) stops `hsx serve` before it listens, saying why and never echoing a token."""
+    argv = [*hsx_command(), "serve", "--database-url", f"sqlite:///{tmp_path / 'hsx.db'}", "--port", "9"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
+    if via == "flag":
+        argv += ["--api-tokens", spec]
+    else:
+        env["HSX_API_TOKENS"] = spec
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("hsx serve: --api-tokens (HSX_API_TOKENS): ") and words in done.stderr
+    assert "secret" not in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "hsx.db").exists()
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, checkpoint):
     svc, ref = start_stack(
