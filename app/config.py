@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     api_tokens: str = Field(
         "",
         description="comma-separated bearer tokens, each TOKEN or TOKEN:read; when set, every endpoint but "
-        "/healthz needs one, and :read tokens may only read",
+        "/healthz and the dashboard's page and files (/, /dashboard/) needs one, and :read tokens may only read",
     )
     run_writer: bool = Field(
         True,

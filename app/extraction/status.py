@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from hsx.db import repository as repo
 
@@ -38,10 +38,11 @@ class WriterStatus:
 class StatusReport:
     """Records the writer's status in the database: at once when it changes, else every HEARTBEAT_S."""
 
-    def __init__(self, status: WriterStatus, identity: str, db: Database):
+    def __init__(self, status: WriterStatus, identity: str, db: Database, rate: Callable[[], float]):
         self.status = status
         self.identity = identity
         self.db = db
+        self.rate = rate  # tokens per second lately, reported with each heartbeat
         self.started_at = repo.utcnow()
         self._reported_at = 0.0
 
@@ -63,5 +64,6 @@ class StatusReport:
                 reason=self.status.reason,
                 server=self.status.server,
                 started_at=self.started_at,
+                tokens_per_s=round(self.rate(), 3),
             )
         )

@@ -58,7 +58,7 @@ class Writer:
         self._threads: list[threading.Thread] = []
         server = ServerWatch(settings, self.client, self.root, self.staging)
         self._db = Database(sessions, self.status, server, self._stop)
-        self._report = StatusReport(self.status, self.identity, self._db)
+        self._report = StatusReport(self.status, self.identity, self._db, self.metrics.tokens_per_second)
         pause = DiskPause()
         finisher = JobFinisher(settings.output_root, self.staging, self._db, pause)
         self._flusher = ShardFlusher(settings, self.identity, self._db, self.metrics, finisher, pause)

@@ -33,7 +33,13 @@ from hsx.sdk.models import (
     ManifestShard,
     Sample,
     SamplePage,
+    Shard,
+    ShardList,
+    Throughput,
+    ThroughputPoint,
+    TokenInfo,
     Tokens,
+    Writer,
 )
 
 __all__ = [
@@ -57,8 +63,14 @@ __all__ = [
     "Sample",
     "SamplePage",
     "ServerError",
+    "Shard",
+    "ShardList",
     "TERMINAL_STATES",
+    "Throughput",
+    "ThroughputPoint",
+    "TokenInfo",
     "Tokens",
     "Unauthorized",
     "Unavailable",
+    "Writer",
 ]
