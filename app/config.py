@@ -93,8 +93,8 @@ class Settings(BaseSettings):
     api_tokens: str = Field(
         "",
         description="comma-separated bearer tokens, each TOKEN or TOKEN:read (TOKEN:write is the same as TOKEN); "
-        "when set, every endpoint but /healthz needs one, and :read tokens may only read; any other role, or a "
-        "list without a token, stops the service from starting",
+        "when set, every endpoint but /healthz and the dashboard's page and files (/, /dashboard/) needs one, and "
+        ":read tokens may only read; any other role, or a list without a token, stops the service from starting",
     )
     lease_s: float = Field(
         30.0,

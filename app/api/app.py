@@ -1,11 +1,11 @@
-"""The FastAPI application: migrations at start, the dump-root writer in the background."""
+"""The FastAPI application: migrations at start, the dump-root writer in the background, the dashboard."""
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from hsx.api import jobs, openapi, problems, security, system
+from hsx.api import dashboard, jobs, openapi, problems, security, system
 from hsx.config import Settings, parse_tokens
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.extraction import Writer
@@ -42,5 +42,6 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     security.install(app, settings.api_tokens)
     app.include_router(jobs.router)
     app.include_router(system.router)
+    dashboard.install(app)
     openapi.install(app, bearer=bool(parse_tokens(settings.api_tokens)))
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
@@ -18,8 +19,17 @@ from hsx.api.deps import (
 )
 from hsx.api.params import JobCursor, JobId, NameQuery, SampleCursor, SampleIdPath, ShardName
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
-from hsx.api.schemas import JobOut, JobPage, JobStateValue, SampleOut, SamplePage, SampleStateValue
-from hsx.api.views import job_out, sample_out
+from hsx.api.schemas import (
+    JobOut,
+    JobPage,
+    JobStateValue,
+    SampleOut,
+    SamplePage,
+    SampleStateValue,
+    ShardList,
+    Throughput,
+)
+from hsx.api.views import job_out, sample_out, shard_out, throughput_out
 from hsx.db import repository as repo
 from hsx.extraction import Writer
 from hsx.layers import check_layers, parse_layers
@@ -217,6 +227,24 @@ async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep)
 
 
 @router.get(
+    "/{job_id}/throughput",
+    response_model=Throughput,
+    responses=_problems(404, 422),
+    summary="What the job extracted over time: samples, tokens and tokens per second in equal windows",
+    description="Windows are a multiple of 5 seconds wide, as narrow as `points` allows, from the job's first "
+    "extraction to its end (or now).",
+)
+def get_throughput(
+    job_id: JobId,
+    session: ReadSessionDep,
+    points: Annotated[int, Query(ge=1, le=1000, description="the most windows to return")] = 120,
+) -> Throughput:
+    job = service.get_job(session=session, job_id=job_id)
+    width, history = repo.job_throughput(session, job, points=points, now=time.time())
+    return throughput_out(job.id, width, history)
+
+
+@router.get(
     "/{job_id}/samples",
     response_model=SamplePage,
     responses=_problems(404),
@@ -301,6 +329,17 @@ def _check_range(wanted: str, size: int) -> None:
         raise HTTPException(
             416, f"range starts past the end of the {size}-byte shard", headers={"Content-Range": f"bytes */{size}"}
         ) from None
+
+
+@router.get(
+    "/{job_id}/shards",
+    response_model=ShardList,
+    responses=_problems(404),
+    summary="The shards written so far, without the manifest's list of samples",
+)
+def list_shards(job_id: JobId, session: ReadSessionDep) -> ShardList:
+    service.get_job(session=session, job_id=job_id)
+    return ShardList(data=[shard_out(s) for s in repo.job_shards(session, job_id)])
 
 
 @router.get(

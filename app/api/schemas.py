@@ -153,11 +153,66 @@ class SamplePage(BaseModel):
     next_after: str | None = Field(description="pass as ?after= for the next page")
 
 
+class ShardOut(BaseModel):
+    name: str
+    bytes: int
+    sha256: str
+    num_samples: int
+    num_tokens: int
+    created_at: datetime
+    url: str = Field(description="where to download it (Range and If-None-Match supported)")
+
+
+class ShardList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ShardOut] = Field(description="every shard written so far, in order")
+
+
+class ThroughputPoint(BaseModel):
+    start: datetime = Field(description="where the window begins")
+    seconds: float = Field(description="how much of the window the job was running (the last one may be partial)")
+    samples: int = Field(description="samples extracted (validated and staged) in the window")
+    tokens: int = Field(description="their tokens")
+    tokens_per_s: float = Field(description="tokens / seconds; 0 for a window the job did not run in")
+
+
+class Throughput(BaseModel):
+    object: Literal["throughput"] = "throughput"
+    job_id: str
+    window_s: int = Field(description="the width of every window, in seconds")
+    points: list[ThroughputPoint] = Field(
+        description="oldest first, from the job's first extraction to its end (or now), windows without any "
+        "extraction included; empty until it has extracted something"
+    )
+
+
+class WriterOut(BaseModel):
+    identity: str = Field(description="host:dump root")
+    state: str = Field(description="starting, ready, waiting, refusing or stopped")
+    reason: str | None = Field(description="why it is not ready")
+    server: dict | None = Field(
+        description="the model server it extracts from, as last checked (GET /v1/workers "
+        "has every writer with its lease)"
+    )
+    heartbeat_at: datetime
+    tokens_per_s: float | None = Field(None, description="tokens it extracted per second over the last minute")
+
+
 class Health(BaseModel):
     status: Literal["ok", "degraded"]
     database: str
-    writer: dict | None = Field(description="this process's writer, when it runs one")
-    writers: list[dict] = Field(default_factory=list, description="every writer that reported recently")
+    writer: dict | None = Field(
+        description="this process's writer, when it runs one: identity, state, reason, server, tokens_per_s"
+    )
+    writers: list[WriterOut] = Field(default_factory=list, description="every writer that reported recently")
+
+
+class TokenInfo(BaseModel):
+    object: Literal["token"] = "token"
+    tokens_required: bool = Field(description="whether the service was started with --api-tokens")
+    role: Literal["read", "write"] = Field(
+        description="what the presented token may do: read (GET and verify only) or write (everything)"
+    )
 
 
 class WorkerOut(BaseModel):

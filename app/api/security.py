@@ -8,7 +8,9 @@ from fastapi import FastAPI, Request
 from hsx.api.problems import problem_response
 from hsx.config import parse_tokens
 
-OPEN_PATHS = {"/healthz"}
+OPEN_PATHS = {"/healthz", "/"}
+# The dashboard's files hold no data: the browser loads them before it has a token to send.
+OPEN_PREFIXES = ("/dashboard/",)
 READ_METHODS = {"GET", "HEAD", "OPTIONS"}
 # Actions that only read, though they are POSTs: read-only tokens may run them.
 READ_ACTION_SUFFIXES = ("/verify",)
@@ -28,7 +30,7 @@ def install(app: FastAPI, spec: str) -> None:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if request.url.path in OPEN_PATHS:
+        if request.url.path in OPEN_PATHS or request.url.path.startswith(OPEN_PREFIXES):
             return await call_next(request)
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         role = role_of(presented.strip()) if scheme.lower() == "bearer" and presented else None
@@ -43,4 +45,5 @@ def install(app: FastAPI, spec: str) -> None:
         reads = request.method in READ_METHODS or request.url.path.endswith(READ_ACTION_SUFFIXES)
         if role == "read" and not reads:
             return problem_response(403, "Forbidden", "this token may only read", "/problems/forbidden")
+        request.state.role = role  # GET /v1/token tells the caller
         return await call_next(request)

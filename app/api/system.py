@@ -1,11 +1,14 @@
-"""/healthz and /metrics: whether the service can work, and what it has done."""
+"""/healthz, /metrics and /v1/token: whether the service can work, what it has done, and what the
+caller's token may do."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
-from hsx.api.deps import ReadSessionDep, WriterDep
-from hsx.api.schemas import Health, WorkerList, WorkerOut, utc
+from hsx.api.deps import ReadSessionDep, SettingsDep, WriterDep
+from hsx.api.problems import PROBLEM_MEDIA_TYPE
+from hsx.api.schemas import Health, TokenInfo, WorkerList, WorkerOut, WriterOut, utc
+from hsx.config import parse_tokens
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, WriterRow
 from hsx.states import SampleState
@@ -28,17 +31,19 @@ def healthz(session: ReadSessionDep, writer: WriterDep) -> Health:
             "state": writer.status.state,
             "reason": writer.status.reason,
             "server": writer.status.server,
+            "tokens_per_s": round(writer.metrics.tokens_per_second(), 3),
         }
     writers = []
     if db == "ok":
         writers = [
-            {
-                "identity": w.identity,
-                "state": w.state,
-                "reason": w.reason,
-                "server": w.server,
-                "heartbeat_at": w.heartbeat_at.isoformat(),
-            }
+            WriterOut(
+                identity=w.identity,
+                state=w.state,
+                reason=w.reason,
+                server=w.server,
+                heartbeat_at=utc(w.heartbeat_at),
+                tokens_per_s=(w.stats or {}).get("tokens_per_s"),
+            )
             for w in repo.live_writers(session)
         ]
     ok = db == "ok" and (status is None or status["state"] == "ready")
@@ -94,3 +99,22 @@ def metrics(session: ReadSessionDep, writer: WriterDep) -> PlainTextResponse:
         ]
         lines += writer.metrics.render()
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+@router.get(
+    "/v1/token",
+    response_model=TokenInfo,
+    tags=["access"],
+    responses={
+        401: {
+            "description": "Missing or unknown token (only when the service has tokens)",
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+        }
+    },
+    summary="What the presented bearer token may do",
+    description="A client (the dashboard) asks before it offers actions: a read token gets none that would "
+    "fail. Without --api-tokens every caller may write.",
+)
+def token_info(request: Request, settings: SettingsDep) -> TokenInfo:
+    required = bool(parse_tokens(settings.api_tokens))
+    return TokenInfo(tokens_required=required, role=getattr(request.state, "role", "write"))

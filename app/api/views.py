@@ -1,12 +1,23 @@
-"""The API's view of stored rows: jobs with their progress, samples with their attempts."""
+"""The API's view of stored rows: jobs with their progress, samples with their attempts, shards, throughput."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 from typing import Sequence
 
-from hsx.api.schemas import AttemptOut, Counts, JobOut, SampleOut, Tokens, utc
-from hsx.db.models import AttemptRow, JobRow, SampleRow
+from hsx.api.schemas import (
+    AttemptOut,
+    Counts,
+    JobOut,
+    SampleOut,
+    ShardOut,
+    Throughput,
+    ThroughputPoint,
+    Tokens,
+    utc,
+)
+from hsx.db import repository as repo
+from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow
 from hsx.states import JobState
 
 
@@ -82,4 +93,33 @@ def sample_out(s: SampleRow, attempts: Sequence[AttemptRow] | None = None) -> Sa
         shard=s.shard,
         offset=s.shard_offset,
         attempt_log=log,
+    )
+
+
+def shard_out(s: ShardRow) -> ShardOut:
+    return ShardOut(
+        name=s.name,
+        bytes=s.bytes,
+        sha256=s.sha256,
+        num_samples=s.num_samples,
+        num_tokens=s.num_tokens,
+        created_at=utc(s.created_at),
+        url=f"/v1/jobs/{s.job_id}/shards/{s.name}",
+    )
+
+
+def throughput_out(job_id: str, width: int, points: Sequence[repo.ThroughputPoint]) -> Throughput:
+    return Throughput(
+        job_id=job_id,
+        window_s=width,
+        points=[
+            ThroughputPoint(
+                start=datetime.fromtimestamp(p.start, timezone.utc),
+                seconds=round(p.seconds, 3),
+                samples=p.samples,
+                tokens=p.tokens,
+                tokens_per_s=round(p.tokens / p.seconds, 3) if p.seconds > 0 else 0.0,
+            )
+            for p in points
+        ],
     )

@@ -1,4 +1,5 @@
-"""SQLAlchemy models: jobs, their samples, each sample's attempts, and written shards.
+"""SQLAlchemy models: jobs, their samples, each sample's attempts, written shards, each job's throughput
+over time, and the writers' last reports.
 
 The schema the service runs on is the one `alembic upgrade head` makes from migrations/;
 tests/integration/test_migrations.py proves it equals these models.
@@ -141,6 +142,18 @@ class ShardRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (UniqueConstraint("job_id", "name", name="uq_shards_job_name"),)
+
+
+class ThroughputRow(Base):
+    """What a job extracted (samples staged) in each window of repository.THROUGHPUT_BUCKET_S seconds:
+    the history behind its throughput plot. Rows grow with the job's duration, not its size."""
+
+    __tablename__ = "job_throughput"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # Unix seconds
+    samples: Mapped[int] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(BigInteger)
 
 
 class WriterRow(Base):

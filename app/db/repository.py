@@ -7,13 +7,14 @@ per-state counters move in the same transaction, so progress never needs to coun
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, cast
 
-from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
+from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, ThroughputRow, WriterRow
 from hsx.names import could_be_stored
 from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
 from sqlalchemy import CursorResult, Result, case, delete, exists, func, or_, select, update
@@ -243,6 +244,7 @@ def delete_job(session: Session, job_id: str) -> bool | None:
     session.execute(delete(AttemptRow).where(AttemptRow.sample_pk.in_(sample_pks)))
     session.execute(delete(SampleRow).where(SampleRow.job_id == job_id))
     session.execute(delete(ShardRow).where(ShardRow.job_id == job_id))
+    session.execute(delete(ThroughputRow).where(ThroughputRow.job_id == job_id))
     session.execute(delete(JobRow).where(JobRow.id == job_id))
     return True
 
@@ -471,17 +473,17 @@ def mark_staged(
     """The dump is validated and out of the root. `writer` is the dump root's writer (not the
     in-flight slot that ran it): the writer's shard flusher takes it from here."""
     _close_attempt(session, c.attempt_pk, "ok", dump_key=dump_key, observed_tokens=observed_tokens, boot_id=boot_id)
-    return (
-        _transition(
-            session,
-            c.job_id,
-            [c.sample_pk],
-            SampleState.RUNNING,
-            SampleState.STAGED,
-            {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None, "writer": writer},
-        )
-        == 1
+    moved = _transition(
+        session,
+        c.job_id,
+        [c.sample_pk],
+        SampleState.RUNNING,
+        SampleState.STAGED,
+        {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None, "writer": writer},
     )
+    if moved:
+        _count_throughput(session, c.job_id, samples=1, tokens=observed_tokens)
+    return moved == 1
 
 
 def _requeue_state(session: Session, job_id: str) -> SampleState:
@@ -719,6 +721,72 @@ def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
             return
         yield from rows
         last = rows[-1].idx
+
+
+# --- throughput -------------------------------------------------------------------------------
+
+THROUGHPUT_BUCKET_S = 5
+
+
+def _count_throughput(session: Session, job_id: str, *, samples: int, tokens: int) -> None:
+    """Add to the job's bucket for now. Callers hold the job's row lock (_transition takes it), so no
+    other transaction can insert the same bucket between the UPDATE and the INSERT."""
+    start = int(time.time()) // THROUGHPUT_BUCKET_S * THROUGHPUT_BUCKET_S
+    row = (ThroughputRow.job_id == job_id, ThroughputRow.bucket_start == start)
+    added = (
+        update(ThroughputRow)
+        .where(*row)
+        .values(samples=ThroughputRow.samples + samples, tokens=ThroughputRow.tokens + tokens)
+    )
+    if _rowcount(session.execute(added)) == 0:
+        session.add(ThroughputRow(job_id=job_id, bucket_start=start, samples=samples, tokens=tokens))
+        session.flush()
+
+
+@dataclass(frozen=True)
+class ThroughputPoint:
+    start: int  # Unix seconds
+    seconds: float  # how much of the window the job was running
+    samples: int
+    tokens: int
+
+
+def job_throughput(session: Session, job: JobRow, *, points: int, now: float) -> tuple[int, list[ThroughputPoint]]:
+    """What the job extracted over time, in at most `points` windows of equal width (a multiple of
+    THROUGHPUT_BUCKET_S), from its first extraction to its end (or `now`); windows without any are
+    there with zeros. Returns (width in seconds, points)."""
+    first, last = session.execute(
+        select(func.min(ThroughputRow.bucket_start), func.max(ThroughputRow.bucket_start)).where(
+            ThroughputRow.job_id == job.id
+        )
+    ).one()
+    if first is None:
+        return THROUGHPUT_BUCKET_S, []
+    started = _epoch(job.started_at) if job.started_at is not None else first
+    stop = _epoch(job.finished_at) if job.finished_at is not None else now
+    span = max(last + THROUGHPUT_BUCKET_S, stop) - first
+    width = THROUGHPUT_BUCKET_S * max(1, math.ceil(span / (THROUGHPUT_BUCKET_S * points)))
+    window = (ThroughputRow.bucket_start - first) // width
+    sums = {
+        int(i): (int(n), int(t))
+        for i, n, t in session.execute(
+            select(window, func.sum(ThroughputRow.samples), func.sum(ThroughputRow.tokens))
+            .where(ThroughputRow.job_id == job.id)
+            .group_by(window)
+        ).all()
+    }
+    out = []
+    for i in range(math.ceil(span / width)):
+        start = first + i * width
+        seconds = max(0.0, min(start + width, stop) - max(start, started))
+        samples, tokens = sums.get(i, (0, 0))
+        out.append(ThroughputPoint(start, seconds, samples, tokens))
+    return width, out
+
+
+def _epoch(dt: datetime) -> float:
+    # SQLite hands back naive datetimes; every stored time is UTC.
+    return (dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)).timestamp()
 
 
 # --- writers ----------------------------------------------------------------------------------

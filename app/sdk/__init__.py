@@ -33,8 +33,14 @@ from hsx.sdk.models import (
     ManifestShard,
     Sample,
     SamplePage,
+    Shard,
+    ShardList,
+    Throughput,
+    ThroughputPoint,
+    TokenInfo,
     Tokens,
     Worker,
+    Writer,
 )
 
 __all__ = [
@@ -58,9 +64,15 @@ __all__ = [
     "Sample",
     "SamplePage",
     "ServerError",
+    "Shard",
+    "ShardList",
     "TERMINAL_STATES",
+    "Throughput",
+    "ThroughputPoint",
+    "TokenInfo",
     "Tokens",
     "Unauthorized",
     "Unavailable",
     "Worker",
+    "Writer",
 ]

@@ -13,7 +13,18 @@ from urllib.parse import quote
 
 import httpx
 from hsx.sdk.errors import ChecksumMismatch, HsxError, Unavailable
-from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage, WorkerList
+from hsx.sdk.models import (
+    Health,
+    Job,
+    JobPage,
+    Manifest,
+    Sample,
+    SamplePage,
+    ShardList,
+    Throughput,
+    TokenInfo,
+    WorkerList,
+)
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.atomic import atomic_file, fsync_path
 from pydantic import BaseModel
@@ -160,12 +171,24 @@ class Calls:
         return Call("POST", jobs_path(job, "verify"), dict)
 
     @staticmethod
+    def list_shards(job) -> Call:
+        return Call("GET", jobs_path(job, "shards"), ShardList)
+
+    @staticmethod
+    def throughput(job, points) -> Call:
+        return Call("GET", jobs_path(job, "throughput"), Throughput, params={"points": points})
+
+    @staticmethod
     def health() -> Call:
         return Call("GET", "/healthz", Health)
 
     @staticmethod
     def workers() -> Call:
         return Call("GET", "/v1/workers", WorkerList)
+
+    @staticmethod
+    def token_info() -> Call:
+        return Call("GET", "/v1/token", TokenInfo)
 
 
 def file_chunks(f: IO[bytes], size: int = 1 << 16) -> Iterator[bytes]:

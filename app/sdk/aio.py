@@ -27,7 +27,18 @@ from hsx.sdk._core import (
     write_atomic,
 )
 from hsx.sdk.errors import error_from_response
-from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage, Worker
+from hsx.sdk.models import (
+    Health,
+    Job,
+    JobPage,
+    Manifest,
+    Sample,
+    SamplePage,
+    ShardList,
+    Throughput,
+    TokenInfo,
+    Worker,
+)
 from hsx.states import TERMINAL_JOB_STATES
 
 __all__ = ["AsyncHsxClient"]
@@ -150,6 +161,9 @@ class AsyncHsxClient:
                 if event is not None:
                     yield event
 
+    async def throughput(self, job: JobRef, *, points: int = 120) -> Throughput:
+        return await self._send(Calls.throughput(job, points))
+
     # --- samples ----------------------------------------------------------------------------
 
     async def list_samples(
@@ -183,6 +197,9 @@ class AsyncHsxClient:
 
     async def manifest(self, job: JobRef) -> Manifest:
         return await self._send(Calls.manifest(job))
+
+    async def list_shards(self, job: JobRef) -> ShardList:
+        return await self._send(Calls.list_shards(job))
 
     async def download_shard(
         self,
@@ -255,3 +272,6 @@ class AsyncHsxClient:
     async def workers(self) -> list[Worker]:
         """Every writer that ever registered with the service's database (GET /v1/workers)."""
         return (await self._send(Calls.workers())).data
+
+    async def token_info(self) -> TokenInfo:
+        return await self._send(Calls.token_info())

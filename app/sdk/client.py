@@ -28,7 +28,18 @@ from hsx.sdk._core import (
     write_atomic,
 )
 from hsx.sdk.errors import HsxError, error_from_response
-from hsx.sdk.models import Health, Job, JobPage, Manifest, Sample, SamplePage, Worker
+from hsx.sdk.models import (
+    Health,
+    Job,
+    JobPage,
+    Manifest,
+    Sample,
+    SamplePage,
+    ShardList,
+    Throughput,
+    TokenInfo,
+    Worker,
+)
 from hsx.states import TERMINAL_JOB_STATES
 
 __all__ = ["HsxClient", "HsxError"]
@@ -160,6 +171,10 @@ class HsxClient:
                 if event is not None:
                     yield event
 
+    def throughput(self, job: JobRef, *, points: int = 120) -> Throughput:
+        """What the job extracted over time, in at most `points` equal windows (samples, tokens, tokens/s)."""
+        return self._send(Calls.throughput(job, points))
+
     # --- samples ----------------------------------------------------------------------------
 
     def list_samples(
@@ -193,6 +208,10 @@ class HsxClient:
 
     def manifest(self, job: JobRef) -> Manifest:
         return self._send(Calls.manifest(job))
+
+    def list_shards(self, job: JobRef) -> ShardList:
+        """The shards written so far (name, bytes, sha256, counts), without the manifest's list of samples."""
+        return self._send(Calls.list_shards(job))
 
     def download_shard(
         self,
@@ -277,3 +296,7 @@ class HsxClient:
     def workers(self) -> list[Worker]:
         """Every writer that ever registered with the service's database (GET /v1/workers)."""
         return (self._send(Calls.workers())).data
+
+    def token_info(self) -> TokenInfo:
+        """Whether the service needs tokens, and what this client's may do (read or write)."""
+        return self._send(Calls.token_info())

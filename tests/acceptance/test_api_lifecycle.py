@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from datetime import datetime
 
 import httpx
 import pytest
@@ -207,6 +208,41 @@ def test_downloads_events_and_metrics(stack, recompute):
     assert 'hsx_attempts_total{outcome="ok",reason=""}' in text and "hsx_tokens_per_second" in text
 
 
+def test_throughput_shards_and_writer_rate(stack):
+    svc, _ = stack
+    samples = make_samples(6, seed=33, lo=20, hi=60)
+    job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
+    assert job["state"] == "succeeded"
+    history = svc.get(f"/v1/jobs/{job['id']}/throughput").json()
+    width, points = history["window_s"], history["points"]
+    assert history["job_id"] == job["id"] and width % 5 == 0 and points
+    assert sum(p["samples"] for p in points) == 6 and sum(p["tokens"] for p in points) == job["tokens"]["total"]
+    starts = [datetime.fromisoformat(p["start"]).timestamp() for p in points]
+    assert all(b - a == width for a, b in zip(starts, starts[1:])), "windows follow each other, gaps included"
+    assert all(0 <= p["seconds"] <= width for p in points)
+    assert all(p["tokens_per_s"] == pytest.approx(p["tokens"] / p["seconds"], rel=1e-3) for p in points if p["seconds"])
+    (whole,) = svc.get(f"/v1/jobs/{job['id']}/throughput", params={"points": 1}).json()["points"]
+    assert whole["samples"] == 6 and whole["tokens"] == job["tokens"]["total"]
+    assert svc.get(f"/v1/jobs/{job['id']}/throughput", params={"points": 0}).status_code == 422
+    assert svc.get("/v1/jobs/job_nope/throughput").status_code == 404
+
+    shards = svc.get(f"/v1/jobs/{job['id']}/shards").json()["data"]
+    manifest = svc.get(f"/v1/jobs/{job['id']}/manifest").json()
+    assert [(s["name"], s["sha256"], s["bytes"]) for s in shards] == [
+        (s["name"], s["sha256"], s["bytes"]) for s in manifest["shards"]
+    ]
+    assert sum(s["num_samples"] for s in shards) == 6
+    first = svc.get(shards[0]["url"])
+    assert hashlib.sha256(first.content).hexdigest() == shards[0]["sha256"]
+    assert svc.get("/v1/jobs/job_nope/shards").status_code == 404
+
+    health = svc.get("/healthz").json()
+    assert health["writer"]["tokens_per_s"] > 0, "the job was extracted within the last minute"
+    (writer,) = health["writers"]
+    assert writer["identity"] == health["writer"]["identity"] and writer["tokens_per_s"] is not None
+    assert svc.get("/v1/token").json() == {"object": "token", "tokens_required": False, "role": "write"}
+
+
 def test_tensors_are_served_without_torch(stack, tmp_path, monkeypatch):
     svc, _ = stack
     samples = make_samples(3, seed=40)
@@ -271,6 +307,16 @@ def test_tokens_guard_everything_but_health(tmp_path):
     try:
         c = httpx.Client(base_url=svc.url)
         assert c.get("/healthz").status_code == 200
+        # The dashboard's page and files hold no data: the browser loads them before it has a token to send.
+        page = c.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        assert c.get("/dashboard/dashboard.js").headers["content-type"].startswith("text/javascript")
+        assert c.get("/dashboard/nothing.js").status_code == 404
+        assert c.get("/v1/token").status_code == 401
+        assert c.get("/v1/token", headers={"Authorization": "Bearer reader-secret"}).json()["role"] == "read"
+        writer = c.get("/v1/token", headers={"Authorization": "Bearer writer-secret"}).json()
+        assert writer == {"object": "token", "tokens_required": True, "role": "write"}
         for path in ("/v1/jobs", "/metrics", "/openapi.json", "/docs"):
             r = c.get(path)
             assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")

@@ -26,7 +26,12 @@ from hsx.sdk import (
     PayloadTooLarge,
     Sample,
     ServerError,
+    Shard,
+    Throughput,
+    ThroughputPoint,
+    TokenInfo,
     Unauthorized,
+    Writer,
 )
 from hsx.sdk.errors import error_from_response
 from safetensors import safe_open
@@ -89,6 +94,29 @@ def test_typed_results_and_pagination(hsx, done):
     assert hsx.health().status == "ok"
     report = hsx.verify(job)
     assert report["ok"] is True and not report["shard_faults"] and not report["sample_faults"]
+
+
+def test_throughput_shards_workers_and_token(stack, hsx, done):
+    job, samples = done
+    history = hsx.throughput(job, points=10)
+    assert isinstance(history, Throughput) and len(history.points) <= 10
+    assert sum(p.samples for p in history.points) == 8 and all(isinstance(p, ThroughputPoint) for p in history.points)
+    shards = hsx.list_shards(job).data
+    assert all(isinstance(s, Shard) for s in shards)
+    assert [(s.name, s.sha256) for s in shards] == [(s.name, s.sha256) for s in hsx.manifest(job).shards]
+    (writer,) = hsx.health().writers
+    assert isinstance(writer, Writer) and writer.state == "ready" and writer.tokens_per_s is not None
+    assert hsx.token_info() == TokenInfo(tokens_required=True, role="write")
+    with HsxClient(stack.url, token=READ) as reader:
+        assert reader.token_info().role == "read"
+
+    async def scenario():
+        async with AsyncHsxClient(stack.url, token=READ) as client:
+            return (await client.throughput(job)), (await client.list_shards(job)), (await client.token_info())
+
+    history, listed, token = asyncio.run(scenario())
+    assert sum(p.tokens for p in history.points) == job.tokens.total
+    assert listed.data == shards and token.role == "read"
 
 
 def test_environment_gives_url_and_token(stack, monkeypatch):

@@ -2,8 +2,8 @@
 
 The wheel is built from the repository's sources and installed with pip from whatever indexes this
 machine's pip is configured with; then `hsx serve` runs from an unrelated folder against SQLite: it
-migrates with the migrations shipped inside the wheel, /healthz answers, and a job created with the
-installed SDK is queued.
+migrates with the migrations shipped inside the wheel, /healthz answers, the dashboard's page and files
+are served from the wheel, and a job created with the installed SDK is queued.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import zipfile
 from contextlib import closing
 from pathlib import Path
 
+import httpx
 import pytest
 from hsx.states import JobState
 
@@ -60,13 +61,16 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
-def test_the_wheel_holds_hsx_and_its_migrations_only(wheel):
+def test_the_wheel_holds_hsx_its_migrations_and_dashboard_only(wheel):
     with zipfile.ZipFile(wheel) as whl:
         names = whl.namelist()
         (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
         assert whl.read(top_level).decode().split() == ["hsx"]
     assert {"hsx/migrations/env.py", "hsx/migrations/script.py.mako"} <= set(names)
     assert [n for n in names if n.startswith("hsx/migrations/versions/") and n.endswith(".py")], names
+    # Every file of the dashboard ships: the page loads nothing from anywhere else.
+    dashboard = {f"hsx/dashboard/{p.name}" for p in (REPO / "app" / "dashboard").iterdir()}
+    assert "hsx/dashboard/index.html" in dashboard and dashboard <= set(names), sorted(dashboard - set(names))
     assert not [n for n in names if n.split("/")[0] in ("app", "migrations", "tests")]
 
 
@@ -111,6 +115,9 @@ def test_installed_without_extras_it_serves_from_any_folder(wheel, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         service.wait_http(url + "/healthz", timeout=60)
+        page, js = httpx.get(url + "/"), httpx.get(url + "/dashboard/dashboard.js")
+        assert page.status_code == 200 and 'src="dashboard/dashboard.js"' in page.text
+        assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
         with closing(sqlite3.connect(database)) as conn:
             assert conn.execute("SELECT version_num FROM alembic_version").fetchone() is not None
         script = (

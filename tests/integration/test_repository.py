@@ -4,13 +4,15 @@ outages, recovery after a crash, cancel and fail, on jobs small and large."""
 from __future__ import annotations
 
 import threading
+import time
+from datetime import datetime, timezone
 
 import numpy as np
 import pytest
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
-from hsx.db.models import SampleRow
-from sqlalchemy import event, update
+from hsx.db.models import SampleRow, ThroughputRow
+from sqlalchemy import event, select, update
 from sqlalchemy.exc import IntegrityError
 
 
@@ -222,3 +224,59 @@ def test_cancel_retry_and_fail_move_a_large_job_in_one_statement(sessions):
         job = repo.get_job(s, other)
         assert (job.n_queued, job.n_failed) == (n, 0)
         assert repo.list_samples(s, other, state="queued", after_idx=n - 2, limit=5)[0].attempts == 0
+
+
+def test_throughput_is_counted_per_window_and_read_back_in_equal_windows(sessions):
+    with sessions.begin() as s:
+        job = repo.create_job(s, name=None, layers=None, samples=new_samples(2))
+    before = time.time()
+    with sessions.begin() as s:
+        c = repo.claim_next(s, "host:/dump/t")
+        repo.mark_staged(
+            s, c, writer="host:/dump/t", staged_path="/x", observed_tokens=c.num_tokens, dump_key=None, boot_id=None
+        )
+    with sessions() as s:
+        (row,) = s.execute(select(ThroughputRow).where(ThroughputRow.job_id == job.id)).scalars()
+        assert (row.samples, row.tokens) == (1, c.num_tokens)
+        assert row.bucket_start % repo.THROUGHPUT_BUCKET_S == 0 and before - 5 <= row.bucket_start <= time.time()
+
+    # A history drawn by hand: 2 samples at t0, none at t0 + 5, 1 at t0 + 10; the job started at t0 + 3.
+    t0 = 1_800_000_000
+    with sessions.begin() as s:
+        other = repo.create_job(s, name=None, layers=None, samples=new_samples(3))
+        other_id = other.id
+        assert repo.job_throughput(s, other, points=10, now=t0) == (repo.THROUGHPUT_BUCKET_S, [])
+        other.started_at = datetime.fromtimestamp(t0 + 3, timezone.utc)
+        s.add_all(
+            [
+                ThroughputRow(job_id=other.id, bucket_start=t0, samples=2, tokens=100),
+                ThroughputRow(job_id=other.id, bucket_start=t0 + 10, samples=1, tokens=50),
+            ]
+        )
+    P = repo.ThroughputPoint
+    with sessions() as s:
+        other = repo.get_job(s, other_id)
+        # Running, now at t0 + 12: the last window is 2 s old.
+        assert repo.job_throughput(s, other, points=120, now=t0 + 12) == (
+            5,
+            [P(t0, 2.0, 2, 100), P(t0 + 5, 5.0, 0, 0), P(t0 + 10, 2.0, 1, 50)],
+        )
+        # At most two windows: each twice as wide.
+        assert repo.job_throughput(s, other, points=2, now=t0 + 12) == (
+            10,
+            [P(t0, 7.0, 2, 100), P(t0 + 10, 2.0, 1, 50)],
+        )
+        # Still running a minute later, with nothing extracted since: the windows go on, empty.
+        width, later = repo.job_throughput(s, other, points=120, now=t0 + 60)
+        assert width == 5 and len(later) == 12 and later[-1] == P(t0 + 55, 5.0, 0, 0)
+        other.finished_at = datetime.fromtimestamp(t0 + 11, timezone.utc)
+        assert repo.job_throughput(s, other, points=120, now=t0 + 60)[1][-1] == P(t0 + 10, 1.0, 1, 50)
+        s.rollback()
+
+    with sessions.begin() as s:
+        repo.fail_job(s, other_id, "done with it")
+        assert repo.finish_job_if_done(s, other_id)
+    with sessions.begin() as s:
+        assert repo.delete_job(s, other_id) is True
+    with sessions() as s:
+        assert s.execute(select(ThroughputRow).where(ThroughputRow.job_id == other_id)).first() is None

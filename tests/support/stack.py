@@ -162,8 +162,9 @@ def start_service(
     return Service(url, output_root, input_root, database_url, proc)
 
 
-def start_stack(tmp: Path, checkpoint: Path, extra: list[str] | None = None):
-    """Reference server and service (SQLite) started side by side; returns once the writer is ready."""
+def start_stack(tmp: Path, checkpoint: Path, extra: list[str] | None = None, reference_extra: list[str] | None = None):
+    """Reference server and service (SQLite) started side by side; returns once the writer is ready.
+    `extra` goes to the service's command line, `reference_extra` to the reference server's."""
     port, dump_root = free_port(), tmp / "dumps"
     svc = start_service(
         tmp,
@@ -174,7 +175,7 @@ def start_stack(tmp: Path, checkpoint: Path, extra: list[str] | None = None):
         wait=False,
     )
     try:
-        ref = start_reference(tmp, checkpoint, dump_root=dump_root, port=port)
+        ref = start_reference(tmp, checkpoint, dump_root=dump_root, port=port, extra=reference_extra)
     except BaseException:
         svc.stop()
         raise
