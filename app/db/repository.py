@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, cast
 
-from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
+from hsx.db.models import AttemptRow, JobRow, OutputRootRow, SampleRow, ShardRow, WriterRow
 from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
 from sqlalchemy import CursorResult, Result, case, delete, exists, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
 if TYPE_CHECKING:
@@ -171,13 +172,15 @@ def create_job(session: Session, *, name: str | None, layers: list[int] | None, 
     return builder.finish()
 
 
-def pending_output_bytes(session: Session) -> int:
-    """Bytes the active jobs have still to write, from their estimates and progress."""
-    rows = session.execute(
-        select(JobRow.estimated_bytes, JobRow.tokens_total, JobRow.tokens_done).where(
-            JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), JobRow.estimated_bytes.is_not(None)
-        )
-    ).all()
+def pending_output_bytes(session: Session, *, besides: str | None = None) -> int:
+    """Bytes the active jobs (all but the job `besides`) have still to write, from their estimates and
+    progress."""
+    q = select(JobRow.estimated_bytes, JobRow.tokens_total, JobRow.tokens_done).where(
+        JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), JobRow.estimated_bytes.is_not(None)
+    )
+    if besides is not None:
+        q = q.where(JobRow.id != besides)
+    rows = session.execute(q).all()
     return sum(int(estimated * (total - done) / total) for estimated, total, done in rows if estimated and total)
 
 
@@ -710,6 +713,30 @@ def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
             return
         yield from rows
         last = rows[-1].idx
+
+
+# --- the output root --------------------------------------------------------------------------
+
+
+def recorded_output_root(session: Session) -> OutputRootRow | None:
+    """The output root the database's jobs write to, once a service has recorded it."""
+    return session.execute(select(OutputRootRow).where(OutputRootRow.pk == 1)).scalar_one_or_none()
+
+
+def record_output_root(session: Session, root_id: str, location: str) -> OutputRootRow:
+    """Record the output root unless one is recorded already (by a racing service too); returns
+    the one recorded."""
+    existing = recorded_output_root(session)
+    if existing is not None:
+        return existing
+    try:
+        with session.begin_nested():
+            session.add(OutputRootRow(pk=1, root_id=root_id, location=location, recorded_at=utcnow()))
+    except IntegrityError:
+        pass  # another service recorded its root first
+    recorded = recorded_output_root(session)
+    assert recorded is not None
+    return recorded
 
 
 # --- writers ----------------------------------------------------------------------------------
