@@ -51,7 +51,9 @@ class Settings(BaseSettings):
         "dump is a rename; unset: a sibling of the dump root named <dump_root>.hsx-staging",
     )
     output_root: Path = Field(
-        Path("hsx-data/output"), description="shards and manifest.json go under <output_root>/<job id>/"
+        Path("hsx-data/output"),
+        description="shards and manifest.json go under <output_root>/<job id>/; every service on one database "
+        "must use the same folder (its .hsx-output-root.json mark is checked at start)",
     )
     input_root: Path = Field(
         Path("hsx-data/input"), description="jobs may name JSONL input files under this folder only"

@@ -1,4 +1,4 @@
-"""The FastAPI application: migrations at start, the dump-root writer in the background, the dashboard."""
+"""The FastAPI application, with the dump-root writer in the background and the dashboard."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from hsx.api import dashboard, jobs, openapi, problems, security, system
 from hsx.config import Settings, parse_tokens
-from hsx.db.engine import make_engine, session_factory, upgrade
+from hsx.db.engine import make_engine, session_factory
 from hsx.extraction import Writer
 from hsx.service.backend_info import BackendInfo
 
 
 def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
-    """Build the app. `writer`, when given, is already acquired and is started with the app."""
+    """Build the app on a database migrated to the newest schema (`hsx serve` migrates it first).
+    `writer`, when given, is already acquired and is started with the app."""
     engine = make_engine(settings.database_url)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        upgrade(engine)
         if writer is not None:
             writer.start_thread()
         yield

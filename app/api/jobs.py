@@ -33,7 +33,6 @@ from hsx.api.views import job_out, sample_out, shard_out, throughput_out
 from hsx.db import repository as repo
 from hsx.extraction import Writer
 from hsx.layers import check_layers, parse_layers
-from hsx.manifest import build_manifest
 from hsx.names import shown
 from hsx.service import jobs as service
 from hsx.service.errors import InvalidInput, NotFound
@@ -52,11 +51,12 @@ def _problems(*codes: int) -> dict:
         403: "Not allowed",
         404: "Not found",
         409: "Not allowed in this state",
+        410: "A shard the job recorded is no longer in the output root",
         413: "Body too large",
         415: "Unsupported media type",
         416: "Range not satisfiable",
         422: "Invalid input",
-        503: "Database unavailable; retry after Retry-After seconds",
+        503: "Database (retry after Retry-After seconds) or output root unavailable",
         507: "Not enough room on the output volume",
     }
     schema = {"$ref": "#/components/schemas/Problem"}
@@ -277,7 +277,7 @@ def list_samples(
 @router.get(
     "/{job_id}/tensors/{sample_id:path}",
     responses={
-        **_problems(404, 409),
+        **_problems(404, 409, 410),
         200: {
             "content": {"application/octet-stream": {}},
             "description": "safetensors: input_ids, loss_mask, layer_<i>",
@@ -310,11 +310,12 @@ def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) 
 
 @router.get(
     "/{job_id}/manifest",
-    responses=_problems(404),
+    responses=_problems(404, 410),
     summary="The job's manifest: model, layers, shards (with sha256) and where each sample lies",
 )
-def get_manifest(job_id: JobId, session: ReadSessionDep) -> dict:
-    return build_manifest(session, service.get_job(session=session, job_id=job_id)).model_dump(mode="json")
+def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
+    manifest = service.job_manifest(session=session, job_id=job_id, output_root=settings.output_root)
+    return manifest.model_dump(mode="json")
 
 
 def _check_range(wanted: str, size: int) -> None:
@@ -345,14 +346,14 @@ def list_shards(job_id: JobId, session: ReadSessionDep) -> ShardList:
 @router.get(
     "/{job_id}/shards/{name}",
     responses={
-        **_problems(400, 404, 416),
+        **_problems(400, 404, 410, 416),
         200: {"content": {"application/octet-stream": {}}, "description": "the shard (safetensors); Range supported"},
     },
     response_class=FileResponse,
     summary="Download one shard; supports Range, ETag (its sha256) and If-None-Match",
 )
 def get_shard(job_id: JobId, name: ShardName, session: ReadSessionDep, settings: SettingsDep, request: Request):
-    shard, path = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
+    shard, path, stat = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
     etag = f'"{shard.sha256}"'
     headers = {"ETag": etag, "X-Content-SHA256": shard.sha256, "Cache-Control": "private, max-age=0"}
     if request.headers.get("if-none-match") in (etag, "*"):
@@ -360,7 +361,9 @@ def get_shard(job_id: JobId, name: ShardName, session: ReadSessionDep, settings:
     wanted = request.headers.get("range")
     if wanted is not None:
         _check_range(wanted, shard.bytes)
-    return FileResponse(path, media_type="application/octet-stream", filename=shard.name, headers=headers)
+    return FileResponse(
+        path, media_type="application/octet-stream", filename=shard.name, headers=headers, stat_result=stat
+    )
 
 
 # --- actions ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from hsx.service.errors import InvalidInput, ServiceError
+from hsx.storage.output_root import OutputRootMismatch
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -78,6 +79,12 @@ def install(app: FastAPI) -> None:
             "/problems/database-unavailable",
             {"Retry-After": "2"},
         )
+
+    @app.exception_handler(OutputRootMismatch)
+    async def _output_root(_: Request, exc: OutputRootMismatch):
+        # Writing a manifest found the output root gone from under the service (a file system that
+        # dropped away): the action rolled back, and can be sent again once the folder is back.
+        return problem_response(503, "Service Unavailable", str(exc), "/problems/output-root-unavailable")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -127,7 +127,8 @@ def read_meta(d: Path) -> dict:
 
 
 def check_meta_fields(name: str, meta: dict) -> None:
-    """Required fields present and of the right JSON type, or DumpRejected("bad_meta")."""
+    """Required fields present and of the right JSON type, layers distinct and ascending, or
+    DumpRejected("bad_meta")."""
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
         raise DumpRejected("bad_meta", f"{name}/meta.json lacks {', '.join(missing)}")
@@ -145,6 +146,12 @@ def check_meta_fields(name: str, meta: dict) -> None:
     ]
     if wrong:
         raise DumpRejected("bad_meta", f"{name}/meta.json has malformed {', '.join(wrong)}")
+    layers = meta["layers"]
+    if layers != sorted(set(layers)):
+        # A layer listed twice would be two tensors of one name in the shard, which no reader opens.
+        raise DumpRejected(
+            "bad_meta", f"{name}/meta.json lists layers {layers}: each captured layer must appear once, ascending"
+        )
 
 
 def _count(v: object) -> bool:

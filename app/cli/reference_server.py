@@ -42,7 +42,7 @@ before the dump and the reply; delay sleeps before the reply; unavailable answer
 and /health for `seconds` from the POST; late_done creates `done` `seconds` after the reply, or
 never; bad_dumps writes the dump with wrong content of `kind` (missing_layer, truncated, unreadable,
 wrong_shape, wrong_dtype, nan, inf, wrong_num_tokens, wrong_ids, cached_tokens, missing_meta_field,
-bad_meta_json, or a list of them). Details: the docstring of app/reference/faults.py.
+bad_meta_json, duplicate_layer, or a list of them). Details: the docstring of app/reference/faults.py.
 --enable-radix-cache and --chunked-prefill-size change what the server does and reports, as in SGLang.
 
 Stock mode (--stock-sglang): behave as an unpatched SGLang 0.5.23 server launched with the same

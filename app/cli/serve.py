@@ -1,4 +1,5 @@
-"""`hsx serve`: settings from flags and HSX_* variables, the dump-root lock, then uvicorn.
+"""`hsx serve`: settings from flags and HSX_* variables, the database migrated, the output root checked
+against the database's, the dump-root lock, then uvicorn.
 
 The flags are generated from Settings: one per field, named after it, its description as the help."""
 
@@ -83,8 +84,10 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
     from hsx.api.app import create_app
     from hsx.backends.dumps import DumpRootBusy
-    from hsx.db.engine import session_factory
+    from hsx.db.engine import make_engine, session_factory, upgrade
     from hsx.extraction import Writer, writer_engine
+    from hsx.extraction.output_root import shared_output_root
+    from hsx.storage.output_root import OutputRootMismatch
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -93,6 +96,16 @@ def main(args: argparse.Namespace) -> int:
         for line in setting_errors(exc):
             print(f"hsx serve: {line}", file=sys.stderr)
         return 2
+    engine = make_engine(settings.database_url)
+    try:
+        upgrade(engine)
+        with session_factory(engine).begin() as session:
+            shared_output_root(session, settings.output_root, mark=True)
+    except OutputRootMismatch as exc:
+        print(f"hsx serve: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.dispose()
     writer = None
     if settings.run_writer:
         writer = Writer(settings, session_factory(writer_engine(settings)))

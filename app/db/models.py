@@ -172,3 +172,16 @@ class WriterRow(Base):
     epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     stats: Mapped[dict | None] = mapped_column(JSON)  # samples done, tokens/s: what GET /v1/workers shows
+
+
+class OutputRootRow(Base):
+    """The output root of every service on this database: one row, the id its marker file holds
+    (hsx.storage.output_root) and where it was first recorded. Services that share a database write
+    their shards and manifests to that one folder, so every shard of a job lies next to the others."""
+
+    __tablename__ = "output_root"
+
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)  # always 1
+    root_id: Mapped[str] = mapped_column(String(64))
+    location: Mapped[str] = mapped_column(Text)  # host:path of the service that recorded it
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, cast
 
-from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, ThroughputRow, WriterRow
+from hsx.db.models import AttemptRow, JobRow, OutputRootRow, SampleRow, ShardRow, ThroughputRow, WriterRow
 from hsx.names import could_be_stored
 from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
 from sqlalchemy import CursorResult, Result, case, delete, exists, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
 if TYPE_CHECKING:
@@ -173,13 +174,15 @@ def create_job(session: Session, *, name: str | None, layers: list[int] | None, 
     return builder.finish()
 
 
-def pending_output_bytes(session: Session) -> int:
-    """Bytes the active jobs have still to write, from their estimates and progress."""
-    rows = session.execute(
-        select(JobRow.estimated_bytes, JobRow.tokens_total, JobRow.tokens_done).where(
-            JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), JobRow.estimated_bytes.is_not(None)
-        )
-    ).all()
+def pending_output_bytes(session: Session, *, besides: str | None = None) -> int:
+    """Bytes the active jobs (all but the job `besides`) have still to write, from their estimates and
+    progress."""
+    q = select(JobRow.estimated_bytes, JobRow.tokens_total, JobRow.tokens_done).where(
+        JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), JobRow.estimated_bytes.is_not(None)
+    )
+    if besides is not None:
+        q = q.where(JobRow.id != besides)
+    rows = session.execute(q).all()
     return sum(int(estimated * (total - done) / total) for estimated, total, done in rows if estimated and total)
 
 
@@ -787,6 +790,30 @@ def job_throughput(session: Session, job: JobRow, *, points: int, now: float) ->
 def _epoch(dt: datetime) -> float:
     # SQLite hands back naive datetimes; every stored time is UTC.
     return (dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)).timestamp()
+
+
+# --- the output root --------------------------------------------------------------------------
+
+
+def recorded_output_root(session: Session) -> OutputRootRow | None:
+    """The output root the database's jobs write to, once a service has recorded it."""
+    return session.execute(select(OutputRootRow).where(OutputRootRow.pk == 1)).scalar_one_or_none()
+
+
+def record_output_root(session: Session, root_id: str, location: str) -> OutputRootRow:
+    """Record the output root unless one is recorded already (by a racing service too); returns
+    the one recorded."""
+    existing = recorded_output_root(session)
+    if existing is not None:
+        return existing
+    try:
+        with session.begin_nested():
+            session.add(OutputRootRow(pk=1, root_id=root_id, location=location, recorded_at=utcnow()))
+    except IntegrityError:
+        pass  # another service recorded its root first
+    recorded = recorded_output_root(session)
+    assert recorded is not None
+    return recorded
 
 
 # --- writers ----------------------------------------------------------------------------------

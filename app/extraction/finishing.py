@@ -1,8 +1,9 @@
 """Finishing a job once its samples are settled: its manifest, then its terminal state, then the
 removal of what a crash may have left in its folder.
 
-A manifest that cannot be written yet (the disk is full) leaves the job unfinished; it is tried
-again until it lands, so a finished job always has its manifest.
+A manifest that cannot be written yet (the disk is full, or the output root is not the database's)
+leaves the job unfinished; it is tried again until it lands, so a finished job always has its
+manifest.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from pathlib import Path
 
 from hsx.db import repository as repo
 from hsx.extraction.database import Database
-from hsx.extraction.disk import DiskPause, disk_full
+from hsx.extraction.disk import DiskPause, output_blocked
+from hsx.extraction.output_root import shared_output_root
 from hsx.manifest import build_manifest, job_dir, write_manifest
 from hsx.states import JobState
+from hsx.storage.output_root import OutputRootMismatch
 from sqlalchemy.orm import Session
 
 log = logging.getLogger("hsx.writer")
@@ -31,6 +34,7 @@ def finish_job(session: Session, job_id: str, output_root: Path) -> JobState | N
     final = repo.final_state(job)
     if final is None:
         return None
+    shared_output_root(session, output_root)
     write_manifest(job_dir(output_root, job.id), build_manifest(session, job, final))
     return final if repo.finish_job_if_done(session, job_id) else None
 
@@ -49,9 +53,10 @@ class JobFinisher:
         unfinished and retry_due tries again."""
         try:
             final = self.db.run(lambda s: finish_job(s, job_id, self.output_root))
-        except OSError as exc:
-            if disk_full(exc):
-                self.pause.reason = f"output disk full, manifest of {job_id} not written yet: {exc}"
+        except (OSError, OutputRootMismatch) as exc:
+            blocked = output_blocked(exc)
+            if blocked:
+                self.pause.reason = f"{blocked}, manifest of {job_id} not written yet: {exc}"
             log.warning("job %s: manifest not written yet: %s", job_id, exc)
             with self._lock:
                 self._due.add(job_id)

@@ -24,11 +24,13 @@ from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow
 from hsx.extraction.database import Database
-from hsx.extraction.disk import DISK_RETRY_S, DiskPause, disk_full
+from hsx.extraction.disk import DISK_RETRY_S, DiskPause, output_blocked
 from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
+from hsx.extraction.output_root import shared_output_root
 from hsx.manifest import job_dir
+from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.shards import NonFiniteSamples, ShardSample, shard_name, write_shard
 from sqlalchemy.orm import Session
 
@@ -74,6 +76,9 @@ class ShardFlusher:
         self.pause = pause
         self.max_staged_bytes = max(2 * settings.shard_max_bytes, 64 * 1024 * 1024)
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
+        # A shard number reserved for a write that failed, per job: the job's next shard takes it,
+        # so that failed writes (a full disk tried again and again) leave no gaps in the numbering.
+        self._unused_number: dict[str, int] = {}
         # Guards _pending; the condition wakes request loops waiting for staging room.
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
@@ -147,6 +152,8 @@ class ShardFlusher:
             due = list(self._pending.items())
         for job_id, pending in due:
             job = self._job(job_id)
+            if job is None or job.state in TERMINAL_JOB_STATES:
+                self._unused_number.pop(job_id, None)
             # Drained: no queued sample is left to fill a shard; only running ones, which get the next.
             drained = job is None or job.n_queued == 0
             aged = now - pending.since >= self.settings.shard_max_wait_s
@@ -164,8 +171,9 @@ class ShardFlusher:
         try:
             left = self._write_staged(job_id, complete)
         except Exception as exc:
-            if disk_full(exc):
-                self.pause.reason = f"output disk full, extraction paused until there is room: {exc}"
+            blocked = output_blocked(exc)
+            if blocked:
+                self.pause.reason = f"{blocked}, extraction paused until shards can be written: {exc}"
                 pending.since = time.monotonic() - self.settings.shard_max_wait_s + DISK_RETRY_S
             else:
                 log.exception("job %s: writing a shard failed; its staged samples wait for the next try", job_id)
@@ -227,17 +235,28 @@ class ShardFlusher:
         info, job_id = job.model_info, job.id
         # The job's model is recorded in the transaction that stages its first sample.
         assert info is not None
-        number = self.db.run(lambda s: repo.reserve_shard_number(s, job_id))
-        out = job_dir(self.settings.output_root, job_id) / shard_name(number)
+        root = self.settings.output_root
+        self.db.run(lambda s: shared_output_root(s, root))
+        number = self._unused_number.pop(job_id, None)
+        if number is None:
+            number = self.db.run(lambda s: repo.reserve_shard_number(s, job_id))
+        out = job_dir(root, job_id) / shard_name(number)
+        # Until a shard is recorded under the number, the job's next shard may take it: a write that
+        # failed (a full disk, tried again and again) leaves no gap in the numbering. A file it left
+        # under that name is unrecorded and is replaced whole.
         try:
             shard = write_shard(out, [p for _, p in pieces], info["layers"], info["dtype"], info["hidden_size"])
         except NonFiniteSamples as exc:
+            self._unused_number[job_id] = number
             # Only those samples failed: their attempts say why, the others get a shard without them.
             self._reject(job_id, [(x, exc.reasons[p.sample_id]) for x, p in pieces if p.sample_id in exc.reasons])
             rest = [(x, p) for x, p in pieces if p.sample_id not in exc.reasons]
             if rest:
                 self._write_shard(job, rest)
             return
+        except BaseException:
+            self._unused_number[job_id] = number
+            raise
         placed = [(x.pk, off, p.num_tokens) for (x, p), off in zip(pieces, shard.offsets)]
         try:
             self.db.run(

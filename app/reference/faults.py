@@ -40,7 +40,8 @@ fires with `probability` per event, drawn from a random.Random seeded by `seed`,
   wrong_dtype (tensors in another dtype than meta's), nan / inf (one element of the first layer),
   wrong_num_tokens (meta num_tokens = T + 1), wrong_ids (input_ids file and sha256 of other ids),
   cached_tokens (meta cached_tokens = max(1, T // 2)), missing_meta_field (meta lacks num_tokens),
-  bad_meta_json (meta.json is cut-off JSON).
+  bad_meta_json (meta.json is cut-off JSON), duplicate_layer (meta lists its last layer twice; the
+  tensor file holds each layer once).
 
 Only /generate traffic (the start-up warm-up included, if faults are set before it) is affected;
 health checks only see `unavailable`. A batch /generate of k sequences is k sequence events and
@@ -88,6 +89,7 @@ BAD_DUMP_KINDS = (
     "cached_tokens",
     "missing_meta_field",
     "bad_meta_json",
+    "duplicate_layer",
 )
 INJECTED_KINDS = (
     "foreign_dump",
@@ -340,6 +342,8 @@ class BadDumper(Dumper):
             meta["cached_tokens"] = max(1, meta["num_tokens"] // 2)
         elif self.kind == "missing_meta_field":
             del meta["num_tokens"]
+        elif self.kind == "duplicate_layer":
+            meta["layers"] = [*meta["layers"], meta["layers"][-1]]
         return meta
 
     def write_meta(self, directory: Path, meta: dict) -> None:

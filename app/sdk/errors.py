@@ -46,6 +46,11 @@ class Conflict(HsxError):
     """409: not allowed in the job's or sample's current state."""
 
 
+class Gone(HsxError):
+    """410: a shard the job recorded is no longer in the service's output root (deleted or moved);
+    `problem["missing_shards"]` names them."""
+
+
 class PayloadTooLarge(HsxError):
     """413: the request body is over the service's limit."""
 
@@ -83,6 +88,7 @@ BY_STATUS: dict[int, type[HsxError]] = {
     403: Forbidden,
     404: NotFound,
     409: Conflict,
+    410: Gone,
     413: PayloadTooLarge,
     422: InvalidInput,
     503: Unavailable,

@@ -75,6 +75,19 @@ class NotStored(ServiceError):
         super().__init__(409, f"sample {sample_id!r} is {state}, not stored")
 
 
+class ShardsMissing(ServiceError):
+    """Shards the database records are not in the output root: deleted or moved since they were written."""
+
+    def __init__(self, job_id: str, names: list[str]):
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(
+            410,
+            f"job {job_id}: {len(names)} recorded shard file(s) no longer in the output root: {shown}",
+            type_="/problems/shard-missing",
+            missing_shards=names,
+        )
+
+
 class IdempotencyKeyReused(ServiceError):
     def __init__(self) -> None:
         super().__init__(

@@ -101,7 +101,7 @@ class Ingest:
         if per_token is not None:
             job.estimated_bytes = per_token * job.tokens_total
             if self.disk is not None:
-                job.disk_warning = self.disk.check(self.builder.session, job.estimated_bytes)
+                job.disk_warning = self.disk.check(self.builder.session, job.estimated_bytes, job_id=job.id)
         return job
 
     def _flush(self) -> None:
@@ -154,15 +154,17 @@ class DiskCheck:
     output_root: Path
     mode: str  # refuse | warn | off
 
-    def check(self, session: Session, needed: int) -> str | None:
-        """None when it fits; a warning text in warn mode; raises InsufficientStorage in refuse mode."""
+    def check(self, session: Session, needed: int, *, job_id: str) -> str | None:
+        """Whether job `job_id`, needing `needed` bytes, fits: None when it does; a warning text in warn
+        mode; raises InsufficientStorage in refuse mode. The job's own row may already be flushed
+        as an active job: its bytes are `needed`, never part of what the others still have to write."""
         if self.mode == "off":
             return None
         root = self.output_root
         while not root.exists():
             root = root.parent
         free = shutil.disk_usage(root).free
-        pending = pending_output_bytes(session)
+        pending = pending_output_bytes(session, besides=job_id)
         if needed + pending <= free:
             return None
         text = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from functools import partial
 from pathlib import Path
@@ -15,11 +16,11 @@ from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow, ShardRow
 from hsx.extraction.finishing import finish_job
-from hsx.manifest import MANIFEST_NAME, job_dir
+from hsx.manifest import MANIFEST_NAME, Manifest, build_manifest, job_dir
 from hsx.names import shown
 from hsx.service import intake
 from hsx.service.backend_info import BackendInfo
-from hsx.service.errors import IdempotencyKeyReused, InvalidInput, InvalidTransition, NotFound
+from hsx.service.errors import IdempotencyKeyReused, InvalidInput, InvalidTransition, NotFound, ShardsMissing
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -184,13 +185,30 @@ def delete_job(*, session: Session, job_id: str, output_root: Path, delete_files
         shutil.rmtree(job_dir(output_root, job_id), ignore_errors=True)
 
 
-def shard_file(*, session: Session, job_id: str, name: str, output_root: Path) -> tuple[ShardRow, Path]:
-    """A written shard's record and file; only names recorded in the database lead to the disk."""
+def shard_file(*, session: Session, job_id: str, name: str, output_root: Path) -> tuple[ShardRow, Path, os.stat_result]:
+    """A written shard's record, file and the file's stat; only names recorded in the database lead to
+    the disk. A recorded shard whose file is gone is ShardsMissing (410)."""
     get_job(session=session, job_id=job_id)
     shard = repo.get_shard(session, job_id, name)
     if shard is None:
         raise NotFound(f"shard {shown(name)}")
-    return shard, job_dir(output_root, job_id) / shard.name
+    path = job_dir(output_root, job_id) / shard.name
+    try:
+        return shard, path, path.stat()
+    except FileNotFoundError:
+        raise ShardsMissing(job_id, [shard.name]) from None
+
+
+def job_manifest(*, session: Session, job_id: str, output_root: Path) -> Manifest:
+    """The job's manifest as the database has it; ShardsMissing (410) when a shard it names is no
+    longer in the output root, since a reader could not follow it to the rows."""
+    job = get_job(session=session, job_id=job_id)
+    manifest = build_manifest(session, job)
+    folder = job_dir(output_root, job.id)
+    missing = [s.name for s in manifest.shards if not (folder / s.name).is_file()]
+    if missing:
+        raise ShardsMissing(job.id, missing)
+    return manifest
 
 
 def verify_job(*, session: Session, job_id: str, output_root: Path) -> dict:

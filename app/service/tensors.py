@@ -12,7 +12,7 @@ from hsx.db import repository as repo
 from hsx.db.models import SampleRow
 from hsx.manifest import job_dir
 from hsx.names import shown
-from hsx.service.errors import NotFound, NotStored
+from hsx.service.errors import NotFound, NotStored, ShardsMissing
 from hsx.service.jobs import get_job
 from hsx.states import SampleState
 from hsx.storage.safetensors_raw import SafetensorsFormatError, encode_header, read_index
@@ -28,13 +28,16 @@ def sample_tensors(*, session: Session, job_id: str, sample_id: str, output_root
     if sample.state != SampleState.SUCCEEDED or sample.shard is None or sample.shard_offset is None:
         raise NotStored(sample_id, sample.state)
     layers = (job.model_info or {}).get("layers", [])
-    data = cut_rows(
-        job_dir(output_root, job_id) / sample.shard,
-        ["input_ids", "loss_mask"] + [f"layer_{i}" for i in layers],
-        sample.shard_offset,
-        sample.num_tokens,
-        metadata={"sample_id": sample.sample_id, "job_id": job_id},
-    )
+    try:
+        data = cut_rows(
+            job_dir(output_root, job_id) / sample.shard,
+            ["input_ids", "loss_mask"] + [f"layer_{i}" for i in layers],
+            sample.shard_offset,
+            sample.num_tokens,
+            metadata={"sample_id": sample.sample_id, "job_id": job_id},
+        )
+    except FileNotFoundError:
+        raise ShardsMissing(job_id, [sample.shard]) from None
     return sample, data
 
 

@@ -114,11 +114,15 @@ def _whole(v: object) -> bool:
 def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
     """The 8-byte length plus JSON header for tensors laid out back to back in this order.
 
-    The JSON is space-padded so the data starts 8-byte aligned, as the reference writer does.
+    The JSON is space-padded so the data starts 8-byte aligned, as the reference writer does. A
+    name given twice (or named like the metadata) is a ValueError: JSON would keep one entry for
+    it, whose offsets no longer cover the data, and no reader opens such a file.
     """
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape in entries:
+        if name in header:
+            raise ValueError(f"tensor name {name!r} is given twice; a safetensors header names each tensor once")
         nbytes = math.prod(shape) * DTYPES_BY_CODE[dtype].itemsize
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes

@@ -117,6 +117,8 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
     the first is found), so the caller can write the others again without them."""
     if not samples:
         raise ValueError("a shard needs at least one sample")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers {layers} name a layer twice: a shard holds one layer_<i> tensor per layer")
     code = DTYPES[dtype].code
     row_bytes = hidden_size * DTYPES[dtype].itemsize
     offsets, total = [], 0

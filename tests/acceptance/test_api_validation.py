@@ -73,6 +73,8 @@ BAD_BODIES = [
     ({"samples": [OK], "input_path": "x.jsonl"}, None, "body"),
     ({}, None, "body"),
     ({"samples": [OK], "layers": [5, 2]}, None, "layers"),
+    ({"samples": [OK], "layers": [2, 2, 5]}, None, "layers"),
+    ({"samples": [OK], "layers": [2, 5, 5]}, None, "layers"),
 ]
 
 
@@ -83,6 +85,18 @@ def test_bad_job_is_refused_and_nothing_stored(service, unchanged, body, index, 
     first = errors[0]
     assert first.get("sample_index") == index, errors
     assert first["field"] == field or first["field"].startswith(field), errors
+
+
+@pytest.mark.parametrize("layers", ["2,2,5", "5,2", "2,5,5"])
+def test_streamed_job_asking_for_a_layer_twice_or_out_of_order_is_refused(service, unchanged, layers):
+    resp = service.client.post(
+        service.url + "/v1/jobs",
+        params={"layers": layers},
+        content=json.dumps(OK).encode() + b"\n",
+        headers={"content-type": "application/x-ndjson"},
+    )
+    body = problem(resp, 422)
+    assert body["errors"][0]["field"] == "layers" and "unique, ascending" in body["errors"][0]["message"]
 
 
 def test_not_json_is_a_problem(service, unchanged):

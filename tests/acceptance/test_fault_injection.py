@@ -11,6 +11,7 @@ import pytest
 import torch
 from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
+from hsx.storage.shards import shard_name
 
 from tests.support.procs import Process, free_port, hsx_command
 from tests.support.stack import start_service
@@ -86,6 +87,8 @@ def run_job(svc, items: list[dict]) -> dict:
 def assert_exact(svc, job: dict, items: list[dict]) -> None:
     manifest = load_manifest(svc.output_root / job["id"])
     assert [s.id for s in manifest.samples] == [s["id"] for s in items]
+    # a shard that could not be written (a sample with NaN or Inf) gives its number to the next one
+    assert [s.name for s in manifest.shards] == [shard_name(n) for n in range(len(manifest.shards))]
     for s in items:
         got = read_sample(svc.output_root / job["id"], manifest, s["id"])
         truth = synthetic_hidden_states(s["input_ids"], LAYERS, HIDDEN, torch.bfloat16)
@@ -144,6 +147,8 @@ EXPECTED = {
     "wrong_ids": "no_dump",
     "missing_meta_field": "no_dump",
     "bad_meta_json": "no_dump",
+    # counter-named dumps: the finder skips a dump whose meta is bad, saying why
+    "duplicate_layer": "no_dump",
 }
 
 
@@ -161,6 +166,8 @@ def test_each_bad_dump_is_retried_with_its_reason(stack, kind):
     log = attempts(svc, job["id"], items[0]["id"])
     assert [a["outcome"] for a in log] == ["retry", "ok"], log
     assert log[0]["reason"].split(":")[0] == EXPECTED[kind], log[0]["reason"]
+    if kind == "duplicate_layer":
+        assert f"lists layers {LAYERS + LAYERS[-1:]}" in log[0]["reason"], log[0]["reason"]
 
 
 def test_bad_dumps_past_the_budget_fail_the_sample_and_store_nothing(stack):

@@ -388,7 +388,8 @@ def test_bad_dump(syn, kind):
             meta_of(d)
         return
     meta = meta_of(d)
-    assert meta["rid"] == f"bad-{kind}" and meta["layers"] == SYN_LAYERS and meta["dtype"] == "bfloat16"
+    layers = SYN_LAYERS + SYN_LAYERS[-1:] if kind == "duplicate_layer" else SYN_LAYERS
+    assert meta["rid"] == f"bad-{kind}" and meta["layers"] == layers and meta["dtype"] == "bfloat16"
     if kind in ("truncated", "unreadable"):
         with pytest.raises(Exception):  # noqa: B017 - whatever safetensors raises for a broken file
             load_file(path)

@@ -22,7 +22,7 @@ def test_migrated_schema_equals_models(database_url):
             assert diff == [], diff
             tables = set(inspect(conn).get_table_names())
             indexes = {ix["name"] for ix in inspect(conn).get_indexes("samples")}
-        assert {"jobs", "samples", "attempts", "shards", "alembic_version"} <= tables
+        assert {"jobs", "samples", "attempts", "shards", "output_root", "alembic_version"} <= tables
         assert "ux_samples_one_running_per_writer" in indexes
         upgrade(engine)  # a second upgrade is a no-op, as at every service start
     finally:

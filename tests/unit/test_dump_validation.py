@@ -455,6 +455,21 @@ def test_layers_differ_from_expected(tmp_path, expect):
 
 
 @pytest.mark.parametrize(
+    "layers", [[2, 4, 7, 7], [2, 2, 4, 7], [7, 4, 2], [2, 7, 4]], ids=["last-twice", "first-twice", "desc", "unsorted"]
+)
+def test_meta_listing_a_layer_twice_or_out_of_order_is_a_bad_dump(tmp_path, layers):
+    """Each listed layer would be a tensor of the shard: twice is a file no reader opens."""
+    d, _ = make_dump(tmp_path)
+    edit_meta(d, layers=layers)
+    with pytest.raises(DumpRejected) as ei:
+        read_meta(d)
+    assert ei.value.code == "bad_meta" and str(layers) in ei.value.reason
+    # validate checks a meta it is handed too, and so does reopening a staged dump
+    assert reject_code(validate, d, json.loads((d / "meta.json").read_text())) == "bad_meta"
+    assert reject_code(load_staged, d) == "bad_meta"
+
+
+@pytest.mark.parametrize(
     "changes",
     [{"layers": None}, {"layers": [2, "four"]}, {"hidden_size": "wide"}, {"cached_tokens": "some"}],
     ids=["layers-null", "layers-str", "hidden-str", "cached-str"],

@@ -17,7 +17,7 @@ from hsx.dtypes import DTYPES
 from hsx.manifest import Manifest, ManifestSample, ManifestShard, read_sample
 from hsx.states import JobState
 from hsx.storage import shards, sink
-from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
+from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, encode_header, read_index
 from hsx.storage.shards import SHARD_FORMAT, NonFiniteSamples, ShardSample, shard_name, write_shard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -220,6 +220,23 @@ def test_write_shard_refuses_sources_that_do_not_fit(tmp_path, what):
         return
     load_file(str(path))  # what a consumer does with the shard: fails
     pytest.fail("an unreadable shard was written")
+
+
+def test_write_shard_refuses_a_layer_listed_twice(tmp_path):
+    """Two tensors of one name would make a header no reader opens: nothing is written."""
+    fx = Fixture(tmp_path / "src", "bfloat16")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="twice"):
+        write_shard(out / shard_name(7), fx.samples, [*LAYERS, LAYERS[0]], "bfloat16", HIDDEN)
+    assert dir_listing(out) == []
+
+
+@pytest.mark.parametrize("name", ["layer_1", "__metadata__"])
+def test_encode_header_refuses_a_name_given_twice(name):
+    entries = [("layer_1", "BF16", (2, 3)), (name, "BF16", (2, 3))]
+    with pytest.raises(ValueError, match="twice"):
+        encode_header(entries, {})
+    assert len(encode_header(entries[:1], {})) % 8 == 0
 
 
 # --- read_sample ----------------------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""The disk check at job creation on SQLite and Postgres: a new job's estimated bytes count once, on
+top of what the other active jobs still have to write, against the output volume's real free space.
+
+The sizes are fractions of what `shutil.disk_usage` reports for the output folder, reached through
+the job's real size estimate (tokens x layers x hidden size x dtype), so the volume is never filled.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from hsx.api.schemas import SampleIn
+from hsx.db.engine import make_engine, session_factory, upgrade
+from hsx.db.models import JobRow
+from hsx.service.errors import InsufficientStorage
+from hsx.service.intake import DiskCheck, Ingest, Limits
+from sqlalchemy import func, select
+
+TOKENS = 10
+PER_TOKEN_EXTRA = 16  # int64 input_ids and loss_mask
+
+
+@pytest.fixture
+def sessions(database_url):
+    engine = make_engine(database_url)
+    upgrade(engine)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+def limits_needing(nbytes: int) -> Limits:
+    """Limits under which a job of TOKENS tokens is estimated at about `nbytes` (one float32 layer)."""
+    hidden = max(1, (nbytes // TOKENS - PER_TOKEN_EXTRA) // 4)
+    return Limits(layers=[2], hidden_size=hidden, dtype="float32")
+
+
+def create(sessions, limits: Limits, disk: DiskCheck) -> JobRow:
+    with sessions.begin() as s:
+        ingest = Ingest(s, limits, name=None, layers=None, disk=disk)
+        ingest.feed(0, SampleIn(input_ids=list(range(1, TOKENS + 1))), {})
+        return ingest.finish()
+
+
+def job_count(sessions) -> int:
+    with sessions() as s:
+        return s.execute(select(func.count()).select_from(JobRow)).scalar_one()
+
+
+def test_a_job_between_half_and_all_of_the_free_space_fits(sessions, tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    job = create(sessions, limits_needing(free * 6 // 10), DiskCheck(tmp_path, "refuse"))
+    assert job.estimated_bytes is not None and free // 2 < job.estimated_bytes < free
+    assert job.disk_warning is None
+    assert job_count(sessions) == 1
+
+
+def test_a_job_larger_than_the_free_space_is_refused_and_stores_nothing(sessions, tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(InsufficientStorage) as refused:
+        create(sessions, limits_needing(free * 3 // 2), DiskCheck(tmp_path, "refuse"))
+    problem = refused.value.extra
+    assert problem["pending_bytes"] == 0, "the refused job's own bytes are not counted as another job's"
+    assert problem["needed_bytes"] > problem["free_bytes"]
+    assert job_count(sessions) == 0
+
+
+def test_the_other_active_jobs_still_count(sessions, tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    first = create(sessions, limits_needing(free * 6 // 10), DiskCheck(tmp_path, "refuse"))
+    warned = create(sessions, limits_needing(free * 6 // 10), DiskCheck(tmp_path, "warn"))
+    assert warned.disk_warning is not None and f"active jobs {first.estimated_bytes:,} more" in warned.disk_warning
+    with pytest.raises(InsufficientStorage) as refused:
+        create(sessions, limits_needing(free * 6 // 10), DiskCheck(tmp_path, "refuse"))
+    assert refused.value.extra["pending_bytes"] == first.estimated_bytes + warned.estimated_bytes
+    assert job_count(sessions) == 2
