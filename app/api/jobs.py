@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Annotated, AsyncIterator
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
+from hsx.api.bodies import job_body
 from hsx.api.deps import (
     BackendDep,
     ReadSessionDep,
@@ -17,6 +17,7 @@ from hsx.api.deps import (
     SettingsDep,
     WriterDep,
 )
+from hsx.api.downloads import FileDownload, none_match, wanted_ranges
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
 from hsx.api.schemas import JobOut, JobPage, JobStateValue, SampleOut, SamplePage, SampleStateValue
 from hsx.api.views import job_out, sample_out
@@ -25,7 +26,7 @@ from hsx.extraction import Writer
 from hsx.layers import check_layers, parse_layers
 from hsx.manifest import build_manifest
 from hsx.service import jobs as service
-from hsx.service.errors import InvalidInput, NotFound
+from hsx.service.errors import InvalidInput, NotFound, UnsupportedBody
 from hsx.service.tensors import sample_tensors
 from hsx.states import TERMINAL_JOB_STATES
 from starlette.concurrency import run_in_threadpool
@@ -39,11 +40,11 @@ def _problems(*codes: int) -> dict:
         403: "Not allowed",
         404: "Not found",
         409: "Not allowed in this state",
-        413: "Body too large",
+        413: "Body (or one NDJSON line) too large",
         415: "Unsupported media type",
         416: "Range not satisfiable",
         422: "Invalid input",
-        503: "Database unavailable; retry after Retry-After seconds",
+        503: "Database unavailable, or (creation) too many large bodies at once; retry after Retry-After seconds",
         507: "Not enough room on the output volume",
     }
     schema = {"$ref": "#/components/schemas/Problem"}
@@ -95,28 +96,29 @@ async def create_job(
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobOut:
     media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if media == "application/x-ndjson":
-        job = await service.create_job_from_ndjson(
-            sessions=sessions,
-            settings=settings,
-            backend=backend,
-            name=name,
-            layers=_layer_list(layers),
-            idempotency_key=idempotency_key,
-            body=_body_chunks(request, settings.max_ndjson_bytes),
-        )
-    elif media == "application/json":
-        body = b"".join([c async for c in _body_chunks(request, settings.max_json_bytes)])
-        job = await run_in_threadpool(
-            service.create_job,
-            sessions=sessions,
-            settings=settings,
-            backend=backend,
-            body=body,
-            idempotency_key=idempotency_key,
-        )
-    else:
-        raise HTTPException(415, f"send application/json or application/x-ndjson, not {media!r}")
+    if media not in ("application/json", "application/x-ndjson"):
+        raise UnsupportedBody(f"send application/json or application/x-ndjson, not {media!r}")
+    ndjson = media == "application/x-ndjson"
+    async with job_body(request, settings.max_ndjson_bytes if ndjson else settings.max_json_bytes) as body:
+        if ndjson:
+            job = await service.create_job_from_ndjson(
+                sessions=sessions,
+                settings=settings,
+                backend=backend,
+                name=name,
+                layers=_layer_list(layers),
+                idempotency_key=idempotency_key,
+                body=body.chunks(),
+            )
+        else:
+            job = await run_in_threadpool(
+                service.create_job,
+                sessions=sessions,
+                settings=settings,
+                backend=backend,
+                body=await body.read(),
+                idempotency_key=idempotency_key,
+            )
     _wake(writer)
     return job_out(job)
 
@@ -130,15 +132,6 @@ def _layer_list(layers: str | None) -> list[int] | None:
         raise InvalidInput([{"field": "layers", "message": str(exc)}]) from None
 
 
-async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
-    seen = 0
-    async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > limit:
-            raise HTTPException(413, f"request body exceeds {limit} bytes")
-        yield chunk
-
-
 def _wake(writer: Writer | None) -> None:
     """Committed queued samples: this process's writer starts on them now, not at its next poll."""
     if writer is not None:
@@ -148,7 +141,9 @@ def _wake(writer: Writer | None) -> None:
 # --- reading ----------------------------------------------------------------------------------
 
 
-@router.get("", response_model=JobPage, responses=_problems(422), summary="List jobs, newest first")
+@router.api_route(
+    "", methods=["GET", "HEAD"], response_model=JobPage, responses=_problems(422), summary="List jobs, newest first"
+)
 def list_jobs(
     session: ReadSessionDep,
     state: JobStateValue | None = None,
@@ -165,7 +160,13 @@ def list_jobs(
     )
 
 
-@router.get("/{job_id}", response_model=JobOut, responses=_problems(404), summary="A job's state and progress")
+@router.api_route(
+    "/{job_id}",
+    methods=["GET", "HEAD"],
+    response_model=JobOut,
+    responses=_problems(404),
+    summary="A job's state and progress",
+)
 def get_job(job_id: str, session: ReadSessionDep) -> JobOut:
     job = service.get_job(session=session, job_id=job_id)
     return job_out(job, repo.waiting_reason(session))
@@ -213,8 +214,9 @@ async def job_events(job_id: str, request: Request, sessions: ReadSessionsDep):
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-@router.get(
+@router.api_route(
     "/{job_id}/samples",
+    methods=["GET", "HEAD"],
     response_model=SamplePage,
     responses=_problems(404, 422),
     summary="Per-sample state, token counts, attempts, errors and placement",
@@ -243,8 +245,9 @@ def list_samples(
 
 
 # Sample ids may contain "/": they are the last, path-typed part of every URL that names one.
-@router.get(
+@router.api_route(
     "/{job_id}/tensors/{sample_id:path}",
+    methods=["GET", "HEAD"],
     responses={
         **_problems(404, 409),
         200: {
@@ -253,7 +256,7 @@ def list_samples(
         },
     },
     response_class=Response,
-    summary="One stored sample's tensors as a small safetensors file",
+    summary="One stored sample's tensors as a small safetensors file (GET or HEAD)",
 )
 def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, settings: SettingsDep) -> Response:
     sample, data = sample_tensors(session=session, job_id=job_id, sample_id=sample_id, output_root=settings.output_root)
@@ -264,8 +267,9 @@ def get_sample_tensors(job_id: str, sample_id: str, session: ReadSessionDep, set
     )
 
 
-@router.get(
+@router.api_route(
     "/{job_id}/samples/{sample_id:path}",
+    methods=["GET", "HEAD"],
     response_model=SampleOut,
     responses=_problems(404),
     summary="One sample, with every attempt and its outcome",
@@ -275,43 +279,38 @@ def get_sample(job_id: str, sample_id: str, session: ReadSessionDep) -> SampleOu
     return sample_out(sample, repo.sample_attempts(session, sample.pk))
 
 
-@router.get(
+@router.api_route(
     "/{job_id}/manifest",
+    methods=["GET", "HEAD"],
     responses=_problems(404),
-    summary="The job's manifest: model, layers, shards (with sha256) and where each sample lies",
+    summary="The job's manifest (GET or HEAD): model, layers, shards (with sha256) and where each sample lies",
 )
 def get_manifest(job_id: str, session: ReadSessionDep) -> dict:
     return build_manifest(session, service.get_job(session=session, job_id=job_id)).model_dump(mode="json")
 
 
-RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
-
-
-@router.get(
+@router.api_route(
     "/{job_id}/shards/{name}",
+    methods=["GET", "HEAD"],
     responses={
         **_problems(404, 416),
-        200: {"content": {"application/octet-stream": {}}, "description": "the shard (safetensors); Range supported"},
+        200: {"content": {"application/octet-stream": {}}, "description": "the shard (safetensors)"},
+        206: {"description": "the requested byte ranges (Range)"},
+        304: {"description": "the shard matches If-None-Match"},
     },
     response_class=FileResponse,
-    summary="Download one shard; supports Range, ETag (its sha256) and If-None-Match",
+    summary="Download one shard (GET or HEAD); supports Range, If-Range, ETag (its sha256) and If-None-Match",
 )
 def get_shard(job_id: str, name: str, session: ReadSessionDep, settings: SettingsDep, request: Request):
     shard, path = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
     etag = f'"{shard.sha256}"'
     headers = {"ETag": etag, "X-Content-SHA256": shard.sha256, "Cache-Control": "private, max-age=0"}
-    if request.headers.get("if-none-match") in (etag, "*"):
+    if none_match(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
-    wanted = request.headers.get("range")
-    if wanted is not None:
-        m = RANGE.match(wanted.strip())
-        if m and m.group(1) and int(m.group(1)) >= shard.bytes:
-            raise HTTPException(
-                416,
-                f"range starts past the end of the {shard.bytes}-byte shard",
-                headers={"Content-Range": f"bytes */{shard.bytes}"},
-            )
-    return FileResponse(path, media_type="application/octet-stream", filename=shard.name, headers=headers)
+    ranges = wanted_ranges(request.headers.get("range"), request.headers.get("if-range"), etag, shard.bytes)
+    return FileDownload(
+        path, ranges=ranges, media_type="application/octet-stream", filename=shard.name, headers=headers
+    )
 
 
 # --- actions ----------------------------------------------------------------------------------

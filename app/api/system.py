@@ -14,7 +14,9 @@ from sqlalchemy import func, select, text
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health, summary="Liveness, database and writer status")
+@router.api_route(
+    "/healthz", methods=["GET", "HEAD"], response_model=Health, summary="Liveness, database and writer status"
+)
 def healthz(session: ReadSessionDep, writer: WriterDep) -> Health:
     try:
         session.execute(text("SELECT 1"))
@@ -45,8 +47,9 @@ def healthz(session: ReadSessionDep, writer: WriterDep) -> Health:
     return Health(status="ok" if ok else "degraded", database=db, writer=status, writers=writers)
 
 
-@router.get(
+@router.api_route(
     "/metrics",
+    methods=["GET", "HEAD"],
     response_class=PlainTextResponse,
     summary="Prometheus metrics: samples by state, tokens per second, backend latency, retries by reason",
 )
