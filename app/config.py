@@ -37,6 +37,9 @@ def parse_tokens(spec: str) -> dict[str, str]:
     return tokens
 
 
+MiB = 1024 * 1024
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HSX_", extra="ignore")
 
@@ -82,8 +85,23 @@ class Settings(BaseSettings):
         "server returns every prompt row, else dumps)",
     )
     name_by: str = Field("auto", description="dump naming: auto (ask the server), counter or rid")
-    max_json_bytes: int = Field(64 * 1024 * 1024, description="largest application/json request body")
-    max_ndjson_bytes: int = Field(16 * 1024**3, description="largest streamed application/x-ndjson job body")
+    max_json_bytes: int = Field(64 * MiB, description="largest application/json request body")
+    max_ndjson_bytes: int = Field(16 * 1024 * MiB, description="largest streamed application/x-ndjson job body")
+    max_sample_bytes: int = Field(
+        8 * MiB,
+        description="longest JSON text of one sample: a line of an application/x-ndjson body (longer: 413 naming "
+        "the line), an element of an inline samples array (413 naming the sample) or a line of a JSONL input file "
+        "(422); 8 MiB holds about a million token ids with their loss mask",
+    )
+    large_body_bytes: int = Field(
+        8 * MiB, description="a job creation whose body is larger than this counts against --max-large-bodies"
+    )
+    max_large_bodies: int = Field(
+        2,
+        description="how many job creations with a body over --large-body-bytes are taken in (received, checked "
+        "and stored) at once; another is refused at once with 503 and Retry-After, so that memory and the "
+        "database are not swamped",
+    )
     max_in_flight: int = Field(
         4, description="rid mode: requests in flight at once (counter-named dumps always take one at a time)"
     )

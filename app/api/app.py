@@ -5,7 +5,8 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from hsx.api import dashboard, jobs, openapi, problems, security, system
+from hsx.api import dashboard, jobs, openapi, problems, routing, security, system
+from hsx.api.bodies import LargeBodies
 from hsx.config import Settings, parse_tokens
 from hsx.db.engine import make_engine, session_factory
 from hsx.extraction import Writer
@@ -31,6 +32,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
         version="0.1.0",
         summary="Extract hidden states sample by sample from an SGLang-style server into validated shards.",
         lifespan=lifespan,
+        redirect_slashes=False,  # hsx.api.routing redirects, with a relative Location
     )
     # What the routes depend on (hsx.api.deps reads it).
     app.state.settings = settings
@@ -38,10 +40,13 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     app.state.read_sessions = session_factory(engine, readonly=True)
     app.state.writer = writer
     app.state.backend = BackendInfo(settings.backend_url)
+    app.state.large_bodies = LargeBodies(settings.max_large_bodies, settings.large_body_bytes)
     problems.install(app)
     security.install(app, settings.api_tokens)
-    app.include_router(jobs.router)
-    app.include_router(system.router)
+    routers = [jobs.router, system.router]
+    for router in routers:
+        app.include_router(router)
     dashboard.install(app)
+    routing.install(app, routers)
     openapi.install(app, bearer=bool(parse_tokens(settings.api_tokens)))
     return app

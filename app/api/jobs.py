@@ -6,8 +6,9 @@ import asyncio
 import time
 from typing import Annotated, AsyncIterator
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
+from hsx.api.bodies import job_body
 from hsx.api.deps import (
     BackendDep,
     ReadSessionDep,
@@ -17,6 +18,7 @@ from hsx.api.deps import (
     SettingsDep,
     WriterDep,
 )
+from hsx.api.downloads import FileDownload, none_match, wanted_ranges
 from hsx.api.params import JobCursor, JobId, NameQuery, SampleCursor, SampleIdPath, ShardName
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
 from hsx.api.schemas import (
@@ -35,11 +37,10 @@ from hsx.extraction import Writer
 from hsx.layers import check_layers, parse_layers
 from hsx.names import shown
 from hsx.service import jobs as service
-from hsx.service.errors import InvalidInput, NotFound
+from hsx.service.errors import InvalidInput, NotFound, UnsupportedBody
 from hsx.service.tensors import sample_tensors
 from hsx.states import TERMINAL_JOB_STATES
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -52,11 +53,12 @@ def _problems(*codes: int) -> dict:
         404: "Not found",
         409: "Not allowed in this state",
         410: "A shard the job recorded is no longer in the output root",
-        413: "Body too large",
+        413: "Body (or one NDJSON line) too large",
         415: "Unsupported media type",
         416: "Range not satisfiable",
         422: "Invalid input",
-        503: "Database (retry after Retry-After seconds) or output root unavailable",
+        503: "Database or output root unavailable, or (creation) too many large bodies at once; retry after "
+        "Retry-After seconds",
         507: "Not enough room on the output volume",
     }
     schema = {"$ref": "#/components/schemas/Problem"}
@@ -108,28 +110,29 @@ async def create_job(
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobOut:
     media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if media == "application/x-ndjson":
-        job = await service.create_job_from_ndjson(
-            sessions=sessions,
-            settings=settings,
-            backend=backend,
-            name=name,
-            layers=_layer_list(layers),
-            idempotency_key=idempotency_key,
-            body=_body_chunks(request, settings.max_ndjson_bytes),
-        )
-    elif media == "application/json":
-        body = b"".join([c async for c in _body_chunks(request, settings.max_json_bytes)])
-        job = await run_in_threadpool(
-            service.create_job,
-            sessions=sessions,
-            settings=settings,
-            backend=backend,
-            body=body,
-            idempotency_key=idempotency_key,
-        )
-    else:
-        raise HTTPException(415, f"send application/json or application/x-ndjson, not {media!r}")
+    if media not in ("application/json", "application/x-ndjson"):
+        raise UnsupportedBody(f"send application/json or application/x-ndjson, not {media!r}")
+    ndjson = media == "application/x-ndjson"
+    async with job_body(request, settings.max_ndjson_bytes if ndjson else settings.max_json_bytes) as body:
+        if ndjson:
+            job = await service.create_job_from_ndjson(
+                sessions=sessions,
+                settings=settings,
+                backend=backend,
+                name=name,
+                layers=_layer_list(layers),
+                idempotency_key=idempotency_key,
+                body=body.chunks(),
+            )
+        else:
+            job = await run_in_threadpool(
+                service.create_job,
+                sessions=sessions,
+                settings=settings,
+                backend=backend,
+                body=await body.read(),
+                idempotency_key=idempotency_key,
+            )
     _wake(writer)
     return job_out(job)
 
@@ -143,15 +146,6 @@ def _layer_list(layers: str | None) -> list[int] | None:
         raise InvalidInput([{"field": "layers", "message": str(exc)}]) from None
 
 
-async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
-    seen = 0
-    async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > limit:
-            raise HTTPException(413, f"request body exceeds {limit} bytes")
-        yield chunk
-
-
 def _wake(writer: Writer | None) -> None:
     """Committed queued samples: this process's writer starts on them now, not at its next poll."""
     if writer is not None:
@@ -161,7 +155,9 @@ def _wake(writer: Writer | None) -> None:
 # --- reading ----------------------------------------------------------------------------------
 
 
-@router.get("", response_model=JobPage, responses=_problems(), summary="List jobs, newest first")
+@router.api_route(
+    "", methods=["GET", "HEAD"], response_model=JobPage, responses=_problems(422), summary="List jobs, newest first"
+)
 def list_jobs(
     session: ReadSessionDep,
     state: JobStateValue | None = None,
@@ -178,7 +174,13 @@ def list_jobs(
     )
 
 
-@router.get("/{job_id}", response_model=JobOut, responses=_problems(404), summary="A job's state and progress")
+@router.api_route(
+    "/{job_id}",
+    methods=["GET", "HEAD"],
+    response_model=JobOut,
+    responses=_problems(404),
+    summary="A job's state and progress",
+)
 def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
     job = service.get_job(session=session, job_id=job_id)
     return job_out(job, repo.waiting_reason(session))
@@ -226,8 +228,9 @@ async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep)
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-@router.get(
+@router.api_route(
     "/{job_id}/throughput",
+    methods=["GET", "HEAD"],
     response_model=Throughput,
     responses=_problems(404, 422),
     summary="What the job extracted over time: samples, tokens and tokens per second in equal windows",
@@ -244,8 +247,9 @@ def get_throughput(
     return throughput_out(job.id, width, history)
 
 
-@router.get(
+@router.api_route(
     "/{job_id}/samples",
+    methods=["GET", "HEAD"],
     response_model=SamplePage,
     responses=_problems(404),
     summary="Per-sample state, token counts, attempts, errors and placement",
@@ -274,8 +278,9 @@ def list_samples(
 
 
 # Sample ids may contain "/": they are the last, path-typed part of every URL that names one.
-@router.get(
+@router.api_route(
     "/{job_id}/tensors/{sample_id:path}",
+    methods=["GET", "HEAD"],
     responses={
         **_problems(404, 409, 410),
         200: {
@@ -284,7 +289,7 @@ def list_samples(
         },
     },
     response_class=Response,
-    summary="One stored sample's tensors as a small safetensors file",
+    summary="One stored sample's tensors as a small safetensors file (GET or HEAD)",
 )
 def get_sample_tensors(
     job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep, settings: SettingsDep
@@ -297,8 +302,9 @@ def get_sample_tensors(
     )
 
 
-@router.get(
+@router.api_route(
     "/{job_id}/samples/{sample_id:path}",
+    methods=["GET", "HEAD"],
     response_model=SampleOut,
     responses=_problems(404),
     summary="One sample, with every attempt and its outcome",
@@ -308,32 +314,20 @@ def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) 
     return sample_out(sample, repo.sample_attempts(session, sample.pk))
 
 
-@router.get(
+@router.api_route(
     "/{job_id}/manifest",
+    methods=["GET", "HEAD"],
     responses=_problems(404, 410),
-    summary="The job's manifest: model, layers, shards (with sha256) and where each sample lies",
+    summary="The job's manifest (GET or HEAD): model, layers, shards (with sha256) and where each sample lies",
 )
 def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
     manifest = service.job_manifest(session=session, job_id=job_id, output_root=settings.output_root)
     return manifest.model_dump(mode="json")
 
 
-def _check_range(wanted: str, size: int) -> None:
-    """Refuse as problems the Range headers that the file response would refuse in plain text. It parses
-    them with this same method when it sends the file, so both always agree."""
-    try:
-        FileResponse._parse_range_header(wanted, size)
-    except MalformedRangeHeader as exc:
-        why = exc.content.rstrip(".")
-        raise HTTPException(400, f"{why}; ask for bytes=START-END, bytes=START- or bytes=-LENGTH") from None
-    except RangeNotSatisfiable:
-        raise HTTPException(
-            416, f"range starts past the end of the {size}-byte shard", headers={"Content-Range": f"bytes */{size}"}
-        ) from None
-
-
-@router.get(
+@router.api_route(
     "/{job_id}/shards",
+    methods=["GET", "HEAD"],
     response_model=ShardList,
     responses=_problems(404),
     summary="The shards written so far, without the manifest's list of samples",
@@ -343,26 +337,27 @@ def list_shards(job_id: JobId, session: ReadSessionDep) -> ShardList:
     return ShardList(data=[shard_out(s) for s in repo.job_shards(session, job_id)])
 
 
-@router.get(
+@router.api_route(
     "/{job_id}/shards/{name}",
+    methods=["GET", "HEAD"],
     responses={
-        **_problems(400, 404, 410, 416),
-        200: {"content": {"application/octet-stream": {}}, "description": "the shard (safetensors); Range supported"},
+        **_problems(404, 410, 416),
+        200: {"content": {"application/octet-stream": {}}, "description": "the shard (safetensors)"},
+        206: {"description": "the requested byte ranges (Range)"},
+        304: {"description": "the shard matches If-None-Match"},
     },
     response_class=FileResponse,
-    summary="Download one shard; supports Range, ETag (its sha256) and If-None-Match",
+    summary="Download one shard (GET or HEAD); supports Range, If-Range, ETag (its sha256) and If-None-Match",
 )
 def get_shard(job_id: JobId, name: ShardName, session: ReadSessionDep, settings: SettingsDep, request: Request):
-    shard, path, stat = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
+    shard, path, _ = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
     etag = f'"{shard.sha256}"'
     headers = {"ETag": etag, "X-Content-SHA256": shard.sha256, "Cache-Control": "private, max-age=0"}
-    if request.headers.get("if-none-match") in (etag, "*"):
+    if none_match(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
-    wanted = request.headers.get("range")
-    if wanted is not None:
-        _check_range(wanted, shard.bytes)
-    return FileResponse(
-        path, media_type="application/octet-stream", filename=shard.name, headers=headers, stat_result=stat
+    ranges = wanted_ranges(request.headers.get("range"), request.headers.get("if-range"), etag, shard.bytes)
+    return FileDownload(
+        path, ranges=ranges, media_type="application/octet-stream", filename=shard.name, headers=headers
     )
 
 

@@ -3,6 +3,7 @@ business errors (hsx.service.errors) as they describe themselves."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -17,10 +18,17 @@ PROBLEM_MEDIA_TYPE = "application/problem+json"
 
 
 def problem_response(
-    status: int, title: str, detail: str, type_: str, headers: dict | None = None, **extra
+    status: int, title: str, detail: str, type_: str, headers: Mapping[str, str] | None = None, **extra
 ) -> JSONResponse:
     body = {"type": type_, "title": title, "status": status, "detail": detail, **extra}
     return JSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+
+
+def http_problem(exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own errors (404 for no route, 405, ...) as problems."""
+    phrase = HTTPStatus(exc.status_code).phrase
+    slug = phrase.lower().replace(" ", "-")
+    return problem_response(exc.status_code, phrase, str(exc.detail), f"/problems/{slug}", exc.headers)
 
 
 PROBLEM_SCHEMA = {
@@ -61,11 +69,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        phrase = HTTPStatus(exc.status_code).phrase
-        slug = phrase.lower().replace(" ", "-")
-        return problem_response(
-            exc.status_code, phrase, str(exc.detail), f"/problems/{slug}", getattr(exc, "headers", None)
-        )
+        return http_problem(exc)
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)

@@ -17,7 +17,9 @@ from sqlalchemy import func, select, text
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health, summary="Liveness, database and writer status")
+@router.api_route(
+    "/healthz", methods=["GET", "HEAD"], response_model=Health, summary="Liveness, database and writer status"
+)
 def healthz(session: ReadSessionDep, writer: WriterDep) -> Health:
     try:
         session.execute(text("SELECT 1"))
@@ -50,8 +52,9 @@ def healthz(session: ReadSessionDep, writer: WriterDep) -> Health:
     return Health(status="ok" if ok else "degraded", database=db, writer=status, writers=writers)
 
 
-@router.get(
+@router.api_route(
     "/v1/workers",
+    methods=["GET", "HEAD"],
     response_model=WorkerList,
     tags=["workers"],
     summary="Every writer that ever registered: its model server, layers, state, lease and rate",
@@ -79,8 +82,9 @@ def _worker(w: WriterRow) -> WorkerOut:
     )
 
 
-@router.get(
+@router.api_route(
     "/metrics",
+    methods=["GET", "HEAD"],
     response_class=PlainTextResponse,
     summary="Prometheus metrics: samples by state, tokens per second, backend latency, retries by reason",
 )
@@ -101,8 +105,9 @@ def metrics(session: ReadSessionDep, writer: WriterDep) -> PlainTextResponse:
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
-@router.get(
+@router.api_route(
     "/v1/token",
+    methods=["GET", "HEAD"],
     response_model=TokenInfo,
     tags=["access"],
     responses={

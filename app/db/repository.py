@@ -151,14 +151,6 @@ class JobBuilder:
         self.count += len(samples)
         self.tokens += sum(s.num_tokens for s in samples)
 
-    def has_sample_id(self, sample_id: str) -> bool:
-        return (
-            self.session.execute(
-                select(SampleRow.pk).where(SampleRow.job_id == self.job.id, SampleRow.sample_id == sample_id)
-            ).first()
-            is not None
-        )
-
     def finish(self) -> JobRow:
         self.job.num_samples = self.job.n_queued = self.count
         self.job.tokens_total = self.tokens

@@ -52,7 +52,8 @@ class Gone(HsxError):
 
 
 class PayloadTooLarge(HsxError):
-    """413: the request body is over the service's limit."""
+    """413: the request body, or one sample in it (the problem names its `line` or `sample_index`), is over
+    the service's limit."""
 
 
 class InvalidInput(HsxError):
@@ -64,8 +65,9 @@ class ServerError(HsxError):
 
 
 class Unavailable(ServerError):
-    """503: the service cannot answer now (its database is restarting or unreachable); nothing was changed,
-    so the same request can be sent again. `wait()` keeps polling through it."""
+    """503: the service cannot answer now (its database is restarting or unreachable, or it is taking in as
+    many large job bodies as it takes at once); nothing was changed, so the same request can be sent again
+    (after the answer's Retry-After seconds). `wait()` keeps polling through it."""
 
 
 class ChecksumMismatch(HsxError):

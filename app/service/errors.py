@@ -117,3 +117,45 @@ class InsufficientStorage(ServiceError):
             pending_bytes=pending,
             free_bytes=free,
         )
+
+
+class ContentTooLarge(ServiceError):
+    """A request body, or one line of a streamed body, over its configured limit; nothing was stored."""
+
+    def __init__(self, detail: str, *, limit: int, line: int | None = None, sample_index: int | None = None):
+        """`line` or `sample_index`: the one sample that is too long, when it is one."""
+        where: dict[str, Any] = {"line": line, "sample_index": sample_index}
+        super().__init__(
+            413,
+            detail,
+            type_="/problems/content-too-large",
+            title="Content too large",
+            limit_bytes=limit,
+            **{k: v for k, v in where.items() if v is not None},
+        )
+
+
+class UnsupportedBody(ServiceError):
+    """A body in a media type or content coding the service does not read."""
+
+    def __init__(self, detail: str, headers: dict[str, str] | None = None):
+        super().__init__(415, detail, type_="/problems/unsupported-media-type", headers=headers)
+
+
+class Busy(ServiceError):
+    """Too many large requests are being taken in at once; the same request can be sent again later."""
+
+    def __init__(self, detail: str, retry_after_s: int):
+        super().__init__(503, detail, type_="/problems/busy", title="Busy", headers={"Retry-After": str(retry_after_s)})
+
+
+class RangeNotSatisfiable(ServiceError):
+    """No range of a Range header lies inside the file."""
+
+    def __init__(self, size: int):
+        super().__init__(
+            416,
+            f"no requested range starts inside the {size}-byte file",
+            headers={"Content-Range": f"bytes */{size}"},
+            size_bytes=size,
+        )

@@ -1,18 +1,20 @@
 """Turn submitted samples into stored rows: inline JSON, a JSONL file under the input root, or an
 NDJSON body streamed line by line.
 
-Every sample is checked before the transaction commits; any error rolls the whole job back, so a
-refused request stores nothing. Errors name the sample index (and line) and the field.
+Every sample is checked, and the good ones spooled (hsx.service.spool), before a transaction starts;
+the job and its samples are then inserted in one transaction, so a refused request stores nothing and
+a slow upload holds no database lock. Errors name the sample index (and line) and the field.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 from hsx.api.schemas import SampleIn
@@ -21,6 +23,8 @@ from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from hsx.names import shown
 from hsx.service.errors import InsufficientStorage, InvalidInput, OutsideInputRoot
+from hsx.service.lines import LineSplitter, LineTooLongError
+from hsx.service.spool import SampleSpool
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
@@ -30,6 +34,8 @@ if TYPE_CHECKING:
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ERRORS = 50
 BATCH = 2000
+READ_BYTES = 1024 * 1024
+_ID_DIGEST_KEY = os.urandom(16)
 
 
 @dataclass(frozen=True)
@@ -52,29 +58,15 @@ class Limits:
 
 
 class Ingest:
-    """Check samples one by one and insert them in batches through a JobBuilder."""
+    """Check samples one by one and spool the good ones; nothing touches the database until `store`."""
 
-    def __init__(
-        self,
-        session: Session,
-        limits: Limits,
-        *,
-        name: str | None,
-        layers: list[int] | None,
-        idempotency_key: str | None = None,
-        request_sha256: str | None = None,
-        disk: DiskCheck | None = None,
-    ):
+    def __init__(self, limits: Limits):
         self.limits = limits
-        self.layers = layers
-        self.disk = disk
-        self.builder = JobBuilder(
-            session, name=name, layers=layers, idempotency_key=idempotency_key, request_sha256=request_sha256
-        )
         self.errors: list[dict] = []
-        self.batch: list[NewSample] = []
         self.count = 0
-        # 8-byte digests of the ids seen: duplicate detection without holding every id string.
+        self.spool = SampleSpool()
+        # 8-byte keyed digests of the ids seen: duplicate detection without holding every id string.
+        # The key is per process, so ids cannot be chosen to collide and force the slow check.
         self.seen: set[bytes] = set()
 
     def feed(self, index: int, item: SampleIn | list[dict], where: dict) -> None:
@@ -83,39 +75,29 @@ class Ingest:
             self.errors.extend(item)
         else:
             row = self._check(index, item, where)
-            if row is not None:
-                self.batch.append(row)
-                if len(self.batch) >= BATCH:
-                    self._flush()
+            if row is not None and not self.errors:
+                self.spool.add(row)
         if len(self.errors) >= MAX_ERRORS:
             raise InvalidInput(self.errors[:MAX_ERRORS])
 
-    def finish(self) -> JobRow:
+    def finish(self) -> SampleSpool:
+        """The spooled samples once every one passed; raises InvalidInput otherwise."""
         if self.errors:
             raise InvalidInput(self.errors[:MAX_ERRORS])
         if self.count == 0:
             raise InvalidInput([{"field": "samples", "message": "a job needs at least one sample"}])
-        self._flush()
-        job = self.builder.finish()
-        per_token = self.limits.bytes_per_token(self.layers)
-        if per_token is not None:
-            job.estimated_bytes = per_token * job.tokens_total
-            if self.disk is not None:
-                job.disk_warning = self.disk.check(self.builder.session, job.estimated_bytes, job_id=job.id)
-        return job
+        return self.spool
 
-    def _flush(self) -> None:
-        if not self.errors:
-            self.builder.add(self.batch)
-        self.batch = []
+    def close(self) -> None:
+        self.spool.close()
 
     def _is_duplicate(self, sid: str) -> bool:
-        digest = hashlib.blake2b(sid.encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(sid.encode(), digest_size=8, key=_ID_DIGEST_KEY).digest()
         if digest not in self.seen:
             self.seen.add(digest)
             return False
-        # A digest seen before: compare the real ids, in the pending batch and in the database.
-        return any(s.sample_id == sid for s in self.batch) or self.builder.has_sample_id(sid)
+        # A digest seen before: compare the real ids.
+        return self.spool.has_sample_id(sid)
 
     def _check(self, index: int, sample: SampleIn, where: dict) -> NewSample | None:
         sid = sample.id if sample.id is not None else str(index)
@@ -126,25 +108,45 @@ class Ingest:
 
         ids = sample.input_ids
         vocab = self.limits.vocab_size or MAX_TOKEN_ID + 1
+        id_array = _in_range(ids, 0, vocab, "<i4")
         if not ids:
             err("input_ids", "must hold at least one token id")
-        elif min(ids) < 0 or max(ids) >= vocab:  # builtins over the list: the common, valid case stays in C
+        elif id_array is None:
             pos = next(i for i, t in enumerate(ids) if t < 0 or t >= vocab)
             err(f"input_ids.{pos}", f"token id {ids[pos]} is outside [0, {vocab}) of the model's vocabulary")
         if self.limits.max_tokens is not None and len(ids) > self.limits.max_tokens:
             err("input_ids", f"{len(ids)} tokens exceed the model server's limit of {self.limits.max_tokens}")
         mask = sample.loss_mask
+        mask_array = None if mask is None else _in_range(mask, 0, 2, np.uint8)
         if mask is not None:
             if len(mask) != len(ids):
                 err("loss_mask", f"has {len(mask)} values, input_ids has {len(ids)}")
-            elif mask and (min(mask) < 0 or max(mask) > 1):
+            elif mask_array is None:
                 err("loss_mask", "values must be 0 or 1")
         if self._is_duplicate(sid):
             err("id", f"duplicate sample id {sid!r}")
-        if len(self.errors) > bad:
+        if len(self.errors) > bad or id_array is None:
             return None
-        packed_mask = None if mask is None or all(mask) else np.asarray(mask, dtype=np.uint8).tobytes()
-        return NewSample(sid, np.asarray(ids, dtype="<i4").tobytes(), packed_mask, len(ids))
+        packed_mask = None if mask_array is None or mask_array.all() else mask_array.tobytes()
+        return NewSample(sid, id_array.tobytes(), packed_mask, len(ids))
+
+
+# Up to this many values, the builtins' min and max cost less than numpy's per-call overhead.
+_SHORT = 64
+
+
+def _in_range(values: list[int], lo: int, hi: int, dtype: type | str) -> np.ndarray | None:
+    """The values as an array of `dtype` when every one lies in [lo, hi), else None. Long lists are
+    checked by numpy: the builtins' two passes over Python ints cost more than one conversion."""
+    if len(values) <= _SHORT:
+        if values and (min(values) < lo or max(values) >= hi):
+            return None
+        return np.asarray(values, dtype=dtype)
+    try:
+        wide = np.asarray(values, dtype=np.int64)
+    except OverflowError:  # beyond int64, so beyond any range checked here
+        return None
+    return wide.astype(dtype) if wide.min() >= lo and wide.max() < hi else None
 
 
 @dataclass(frozen=True)
@@ -176,23 +178,19 @@ class DiskCheck:
         raise InsufficientStorage(text, needed=needed, pending=pending, free=free)
 
 
-def body_items(samples: list[SampleIn]) -> Iterator[tuple[int, SampleIn, dict]]:
-    for i, s in enumerate(samples):
-        yield i, s, {}
-
-
-def parse_line(index: int, lineno: int, line: bytes | str) -> tuple[int, SampleIn | list[dict], dict]:
-    """One JSONL line as a sample, or as the errors that say why it is not one. The line is parsed
-    and checked in one pass by pydantic's JSON parser (no intermediate Python dict)."""
+def parse_sample(index: int, text: bytes | bytearray, where: dict) -> tuple[int, SampleIn | list[dict], dict]:
+    """One sample's JSON text (a JSONL line, or one element of an inline `samples` array) as a sample,
+    or as the errors that say why it is not one. The text is parsed and checked in one pass by
+    pydantic's JSON parser (no intermediate Python dict)."""
     try:
-        return index, SampleIn.model_validate_json(line, strict=True), {"line": lineno}
+        return index, SampleIn.model_validate_json(text, strict=True), where
     except ValidationError as exc:
         return (
             index,
             [
                 {
                     "sample_index": index,
-                    "line": lineno,
+                    **where,
                     "field": ".".join(str(p) for p in e["loc"]) or "sample",
                     "message": e["msg"],
                 }
@@ -202,14 +200,74 @@ def parse_line(index: int, lineno: int, line: bytes | str) -> tuple[int, SampleI
         )
 
 
-def numbered_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, SampleIn | list[dict], dict]]:
-    """Parse JSONL lines, skipping blank ones; sample index counts samples, line counts lines."""
-    index = 0
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        yield parse_line(index, lineno, line)
-        index += 1
+class JsonlReader:
+    """JSONL fed in chunks into an Ingest, blank lines skipped: the sample index counts samples, the
+    line number counts lines. Raises LineTooLongError for a line over `max_line` bytes."""
+
+    def __init__(self, ingest: Ingest, max_line: int, digest: HASH | None = None):
+        self.ingest = ingest
+        self.digest = digest  # also given every byte, for a streamed body's Idempotency-Key check
+        self.lines = LineSplitter(max_line)
+        self.index = 0
+
+    def feed(self, chunks: list[bytes]) -> None:
+        for chunk in chunks:
+            if self.digest is not None:
+                self.digest.update(chunk)
+            self._take(self.lines.feed(chunk))
+
+    def end(self) -> None:
+        self._take(self.lines.end())
+
+    def _take(self, lines: list[tuple[int, bytes]]) -> None:
+        for lineno, line in lines:
+            if not line or line.isspace():
+                continue
+            self.ingest.feed(*parse_sample(self.index, line, {"line": lineno}))
+            self.index += 1
+
+
+def ingest_file(ingest: Ingest, path: Path, max_line: int, relative: str) -> None:
+    """A JSONL file under the input root (`relative`, as the request named it), read a block at a time."""
+    reader = JsonlReader(ingest, max_line)
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise _unreadable(relative, _why(exc)) from None
+    try:
+        with f:
+            while block := f.read(READ_BYTES):
+                reader.feed([block])
+        reader.end()
+    except LineTooLongError as exc:
+        message = f"line {exc.lineno} is longer than the limit of {exc.limit} bytes (--max-sample-bytes)"
+        raise InvalidInput([{"line": exc.lineno, "field": "input_path", "message": message}]) from None
+
+
+def store(
+    session: Session,
+    spool: SampleSpool,
+    limits: Limits,
+    *,
+    name: str | None,
+    layers: list[int] | None,
+    idempotency_key: str | None,
+    request_sha256: str,
+    disk: DiskCheck | None,
+) -> JobRow:
+    """Insert the job and its checked, spooled samples in the caller's transaction."""
+    builder = JobBuilder(
+        session, name=name, layers=layers, idempotency_key=idempotency_key, request_sha256=request_sha256
+    )
+    per_token = limits.bytes_per_token(layers)
+    if per_token is not None:
+        estimated = per_token * spool.tokens
+        # Checked before this job's estimate is set: the volume's other commitments, then this job.
+        warning = disk.check(session, estimated, job_id=builder.job.id) if disk is not None else None
+        builder.job.estimated_bytes, builder.job.disk_warning = estimated, warning
+    for batch in spool.batches(BATCH):
+        builder.add(batch)
+    return builder.finish()
 
 
 def resolve_input_path(input_root: Path, relative: str) -> Path:
@@ -233,15 +291,6 @@ def resolve_input_path(input_root: Path, relative: str) -> Path:
     return path
 
 
-def file_lines(path: Path, relative: str) -> Iterator[bytes]:
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise _unreadable(relative, _why(exc)) from None
-    with f:
-        yield from f
-
-
 def _why(exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return "its symbolic links form a loop"
@@ -254,16 +303,3 @@ def _unreadable(relative: str, why: str) -> InvalidInput:
     return InvalidInput(
         [{"field": "input_path", "message": f"cannot open {shown(relative)} under the input root: {why}"}]
     )
-
-
-async def split_lines(chunks: AsyncIterable[bytes], digest: HASH) -> AsyncIterator[bytes]:
-    """The lines of a streamed body, which also goes to `digest` as it arrives."""
-    rest = b""
-    async for chunk in chunks:
-        digest.update(chunk)
-        rest += chunk
-        *lines, rest = rest.split(b"\n")
-        for line in lines:
-            yield line
-    if rest:
-        yield rest

@@ -11,19 +11,28 @@ from pathlib import Path
 from typing import AsyncIterable
 
 from anyio.to_thread import run_sync
-from hsx.api.schemas import JobCreate
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow, ShardRow
 from hsx.extraction.finishing import finish_job
 from hsx.manifest import MANIFEST_NAME, Manifest, build_manifest, job_dir
 from hsx.names import shown
-from hsx.service import intake
+from hsx.service import intake, json_body
 from hsx.service.backend_info import BackendInfo
-from hsx.service.errors import IdempotencyKeyReused, InvalidInput, InvalidTransition, NotFound, ShardsMissing
-from pydantic import ValidationError
+from hsx.service.errors import (
+    ContentTooLarge,
+    IdempotencyKeyReused,
+    InvalidTransition,
+    NotFound,
+    ShardsMissing,
+)
+from hsx.service.lines import LineTooLongError
+from hsx.verify import verify_job as verify_folder
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
+
+# A streamed body goes to the worker thread in blocks of about this many bytes.
+FEED_BYTES = 1024 * 1024
 
 
 def get_job(*, session: Session, job_id: str) -> JobRow:
@@ -48,44 +57,44 @@ def create_job(
     sessions: sessionmaker[Session],
     settings: Settings,
     backend: BackendInfo,
-    body: bytes,
+    body: bytes | bytearray,
     idempotency_key: str | None,
 ) -> JobRow:
     """A job from an application/json body: samples inline, or a JSONL file under the input root."""
-    try:
-        request = JobCreate.model_validate_json(body)
-    except ValidationError as exc:
-        raise InvalidInput.from_pydantic(exc.errors()) from None
-    digest = hashlib.sha256(b"json\0" + body).hexdigest()
+    digest = hashlib.sha256(b"json\0")
+    digest.update(body)
+    request, samples = json_body.job_request(body)
     if idempotency_key:
         existing = _job_with_key(sessions, idempotency_key)
         if existing is not None:
-            return _replayed(existing, digest)
+            return _replayed(existing, digest.hexdigest())
     limits = backend.limits()
-    if request.input_path is not None:
-        path = intake.resolve_input_path(settings.input_root, request.input_path)
-        items = intake.numbered_lines(intake.file_lines(path, request.input_path))
-    else:
-        items = intake.body_items(request.samples or [])
+    ingest = intake.Ingest(limits)
     try:
-        with sessions.begin() as session:
-            ingest = intake.Ingest(
-                session,
-                limits,
-                name=request.name,
-                layers=request.layers,
-                idempotency_key=idempotency_key,
-                request_sha256=digest,
-                disk=_disk_check(settings),
-            )
-            for item in items:
-                ingest.feed(*item)
-            return ingest.finish()
-    except IntegrityError:
-        existing = _job_with_key(sessions, idempotency_key) if idempotency_key else None
-        if existing is None:
-            raise
-        return _replayed(existing, digest)  # a concurrent request with the same key won the race
+        if request.input_path is not None:
+            path = intake.resolve_input_path(settings.input_root, request.input_path)
+            intake.ingest_file(ingest, path, settings.max_sample_bytes, request.input_path)
+        else:
+            for index, text in samples:
+                if len(text) > settings.max_sample_bytes:
+                    raise ContentTooLarge(
+                        f"sample {index} is longer than the limit of {settings.max_sample_bytes} bytes "
+                        "(--max-sample-bytes)",
+                        limit=settings.max_sample_bytes,
+                        sample_index=index,
+                    )
+                ingest.feed(*intake.parse_sample(index, text, {}))
+        return _store(
+            sessions,
+            settings,
+            ingest,
+            name=request.name,
+            layers=request.layers,
+            idempotency_key=idempotency_key,
+            request_sha256=digest.hexdigest(),
+        )
+    finally:
+        ingest.close()
 
 
 async def create_job_from_ndjson(
@@ -98,57 +107,86 @@ async def create_job_from_ndjson(
     idempotency_key: str | None,
     body: AsyncIterable[bytes],
 ) -> JobRow:
-    """A job from an application/x-ndjson body, one sample per line, checked and stored as it streams."""
+    """A job from an application/x-ndjson body, one sample per line, checked as it streams.
+
+    The event loop only receives the body: lines are cut, parsed, checked and spooled on a worker
+    thread, a block of chunks at a time, and the samples are stored once the body has ended."""
     digest = hashlib.sha256(json.dumps(["ndjson", name, layers]).encode())
-    lines = intake.split_lines(body, digest)
     if idempotency_key:
         existing = await run_sync(_job_with_key, sessions, idempotency_key)
         if existing is not None:
-            async for _ in lines:  # the whole body, for its digest
-                pass
+            async for chunk in body:  # the whole body, for its digest
+                digest.update(chunk)
             return _replayed(existing, digest.hexdigest())
     limits = await run_sync(backend.limits)
-    session = sessions()
+    ingest = intake.Ingest(limits)
     try:
-        session.begin()
-        ingest = await run_sync(
+        reader = intake.JsonlReader(ingest, settings.max_sample_bytes, digest)
+        try:
+            block: list[bytes] = []
+            held = 0
+            async for chunk in body:
+                block.append(chunk)
+                held += len(chunk)
+                if held >= FEED_BYTES:
+                    await run_sync(reader.feed, block)
+                    block, held = [], 0
+            await run_sync(reader.feed, block)
+            await run_sync(reader.end)
+        except LineTooLongError as exc:
+            raise ContentTooLarge(
+                f"line {exc.lineno} is longer than the limit of {exc.limit} bytes (--max-sample-bytes)",
+                limit=exc.limit,
+                line=exc.lineno,
+            ) from None
+        # The digest is complete only now: a request that loses the race for its Idempotency-Key
+        # compares the whole body with the winner's.
+        return await run_sync(
             partial(
-                intake.Ingest,
-                session,
-                limits,
+                _store,
+                sessions,
+                settings,
+                ingest,
                 name=name,
                 layers=layers,
                 idempotency_key=idempotency_key,
-                disk=_disk_check(settings),
+                request_sha256=digest.hexdigest(),
             )
         )
-        batch: list = []
-        index, lineno = 0, 0
-        async for line in lines:
-            lineno += 1
-            if not line.strip():
-                continue
-            batch.append(intake.parse_line(index, lineno, line))
-            index += 1
-            if len(batch) >= intake.BATCH:
-                await run_sync(_feed, ingest, batch)
-                batch = []
-        await run_sync(_feed, ingest, batch)
-        ingest.builder.job.request_sha256 = digest.hexdigest()
-        job = await run_sync(ingest.finish)
-        await run_sync(session.commit)
-        return job
+    finally:
+        ingest.close()
+
+
+def _store(
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    ingest: intake.Ingest,
+    *,
+    name: str | None,
+    layers: list[int] | None,
+    idempotency_key: str | None,
+    request_sha256: str,
+) -> JobRow:
+    """Store a fully read and checked request's job in one transaction; a concurrent request with the
+    same Idempotency-Key that committed first makes this one a replay of it."""
+    spool = ingest.finish()
+    try:
+        with sessions.begin() as session:
+            return intake.store(
+                session,
+                spool,
+                ingest.limits,
+                name=name,
+                layers=layers,
+                idempotency_key=idempotency_key,
+                request_sha256=request_sha256,
+                disk=_disk_check(settings),
+            )
     except IntegrityError:
-        await run_sync(session.rollback)
-        existing = await run_sync(_job_with_key, sessions, idempotency_key) if idempotency_key else None
+        existing = _job_with_key(sessions, idempotency_key) if idempotency_key else None
         if existing is None:
             raise
-        return _replayed(existing, digest.hexdigest())  # a concurrent request with the same key won the race
-    except BaseException:
-        await run_sync(session.rollback)
-        raise
-    finally:
-        await run_sync(session.close)
+        return _replayed(existing, request_sha256)
 
 
 def cancel_job(*, session: Session, job_id: str, output_root: Path) -> JobRow:
@@ -217,8 +255,6 @@ def verify_job(*, session: Session, job_id: str, output_root: Path) -> dict:
     folder = job_dir(output_root, job.id)
     if not (folder / MANIFEST_NAME).exists():
         raise InvalidTransition(f"job is {job.state}; its manifest is written once it is finished")
-    from hsx.verify import verify_job as verify_folder  # imports torch: only once there is a folder to check
-
     return verify_folder(folder).to_dict()
 
 
@@ -236,8 +272,3 @@ def _replayed(job: JobRow, request_sha256: str) -> JobRow:
 
 def _disk_check(settings: Settings) -> intake.DiskCheck:
     return intake.DiskCheck(Path(settings.output_root), settings.disk_check)
-
-
-def _feed(ingest: intake.Ingest, batch: list) -> None:
-    for item in batch:
-        ingest.feed(*item)

@@ -6,12 +6,10 @@ import json
 import os
 
 import pytest
-from hsx.db.engine import make_engine
-from hsx.db.models import JobRow, SampleRow
 from hsx.names import MAX_LENGTH
 from hsx.sdk import HsxClient, HsxError
-from sqlalchemy import func, select
 
+from tests.support.api import problem, stored_rows
 from tests.support.stack import start_service
 
 OK = {"input_ids": [1, 2, 3]}
@@ -33,29 +31,9 @@ def service(request, tmp_path_factory):
 @pytest.fixture
 def unchanged(service):
     """Asserts at the end of the test that no job or sample was stored by it."""
-    before = stored_rows(service)
+    before = stored_rows(service.database_url)
     yield
-    assert stored_rows(service) == before
-
-
-def stored_rows(service) -> tuple[int, int]:
-    engine = make_engine(service.database_url)
-    try:
-        with engine.connect() as conn:
-            return (
-                conn.execute(select(func.count()).select_from(JobRow)).scalar_one(),
-                conn.execute(select(func.count()).select_from(SampleRow)).scalar_one(),
-            )
-    finally:
-        engine.dispose()
-
-
-def problem(resp, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    assert resp.headers["content-type"].startswith("application/problem+json")
-    body = resp.json()
-    assert body["status"] == status and body["title"] and body["detail"] and body["type"]
-    return body
+    assert stored_rows(service.database_url) == before
 
 
 BAD_BODIES = [
@@ -128,14 +106,14 @@ def test_jsonl_errors_name_the_line(service, unchanged):
 
 
 def test_jsonl_input_creates_the_job(service):
-    jobs_before, samples_before = stored_rows(service)
+    jobs_before, samples_before = stored_rows(service.database_url)
     lines = [{"id": f"r{i}", "input_ids": list(range(1, i + 2))} for i in range(5)]
     (service.input_root / "good.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     resp = service.post_job({"input_path": "good.jsonl", "name": "from-file"})
     assert resp.status_code == 202, resp.text
     job = resp.json()
     assert job["counts"]["total"] == 5 and job["tokens"]["total"] == 15 and job["state"] == "queued"
-    assert stored_rows(service) == (jobs_before + 1, samples_before + 5)
+    assert stored_rows(service.database_url) == (jobs_before + 1, samples_before + 5)
     samples = service.get(f"/v1/jobs/{job['id']}/samples").json()["data"]
     assert [s["id"] for s in samples] == [f"r{i}" for i in range(5)]
     assert all(s["state"] == "queued" for s in samples)

@@ -14,7 +14,7 @@ from hsx.api.schemas import SampleIn
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.db.models import JobRow
 from hsx.service.errors import InsufficientStorage
-from hsx.service.intake import DiskCheck, Ingest, Limits
+from hsx.service.intake import DiskCheck, Ingest, Limits, store
 from sqlalchemy import func, select
 
 TOKENS = 10
@@ -36,10 +36,14 @@ def limits_needing(nbytes: int) -> Limits:
 
 
 def create(sessions, limits: Limits, disk: DiskCheck) -> JobRow:
-    with sessions.begin() as s:
-        ingest = Ingest(s, limits, name=None, layers=None, disk=disk)
+    ingest = Ingest(limits)
+    try:
         ingest.feed(0, SampleIn(input_ids=list(range(1, TOKENS + 1))), {})
-        return ingest.finish()
+        spool = ingest.finish()
+        with sessions.begin() as s:
+            return store(s, spool, limits, name=None, layers=None, idempotency_key=None, request_sha256="-", disk=disk)
+    finally:
+        ingest.close()
 
 
 def job_count(sessions) -> int:

@@ -1,0 +1,176 @@
+"""Large request bodies: time, memory and how the rest of the API answers meanwhile.
+
+    python -m tests.bench_bodies                          # SQLite, lines of 1, 10 and 100 MB
+    python -m tests.bench_bodies --database-url postgresql://postgres@127.0.0.1/test --sizes 1,10
+
+Starts an API-only service (no writer, no model server: no vocabulary check) that takes lines and JSON
+bodies of up to 128 MiB, then:
+
+- creates a job of one NDJSON line of each size (token ids), timing the create, and /healthz polled
+  every 20 ms from another connection while it runs;
+- creates a job from an inline JSON body (`--json-mb`, 2,000-token samples), timing it and sampling
+  the service's RSS: before, the most during, and after;
+- sends three such JSON bodies at once (the service takes `--max-large-bodies` of them, the others are
+  answered 503 at once) while small creates are timed.
+
+Prints one line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from tests.support.procs import Process, free_port, hsx_command
+
+MiB = 1024 * 1024
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Watch:
+    """While running: the service's RSS sampled, and /healthz (and a small create, if asked) timed."""
+
+    def __init__(self, base: str, pid: int, *, creates: bool = False):
+        self.base, self.pid, self.creates = base, pid, creates
+        self.health: list[float] = []
+        self.create_times: list[float] = []
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.base, timeout=120) as c:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, rss(self.pid))
+                t = time.perf_counter()
+                c.get("/healthz").raise_for_status()
+                self.health.append(time.perf_counter() - t)
+                if self.creates:
+                    t = time.perf_counter()
+                    c.post("/v1/jobs", json={"samples": [{"input_ids": [1, 2, 3]}]}).raise_for_status()
+                    self.create_times.append(time.perf_counter() - t)
+                self._stop.wait(0.02)
+
+
+def ms(values: list[float]) -> str:
+    if not values:
+        return "no requests"
+    return f"p50 {statistics.median(values) * 1000:.0f} ms, max {max(values) * 1000:.0f} ms ({len(values)} requests)"
+
+
+def one_line(mb: float, rng: random.Random) -> bytes:
+    """One NDJSON sample line of about `mb` MB: 5-digit token ids."""
+    n = int(mb * 1_000_000 / 6)
+    return b'{"input_ids": [' + ",".join(str(rng.randrange(10000, 32000)) for _ in range(n)).encode() + b"]}\n"
+
+
+def json_body(mb: float, rng: random.Random, tokens: int = 2000) -> bytes:
+    sample = ",".join(str(rng.randrange(10000, 32000)) for _ in range(tokens))
+    n = int(mb * 1_000_000 / (len(sample) + 20))
+    return ("{" + '"samples": [' + ",".join(f'{{"input_ids": [{sample}]}}' for _ in range(n)) + "]}").encode()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,10,100", help="NDJSON line sizes in MB")
+    parser.add_argument("--json-mb", type=float, default=57.0, help="size of the inline JSON bodies")
+    parser.add_argument("--max-large-bodies", type=int, default=2)
+    parser.add_argument("--database-url", default=None, help="default: a SQLite file in a temporary folder")
+    args = parser.parse_args(argv)
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="hsx-bodies-") as tmp:
+        work = Path(tmp)
+        port = free_port()
+        url = args.database_url or f"sqlite:///{work / 'bodies.db'}"
+        svc = Process(
+            hsx_command()
+            + ["serve", "--no-writer", "--backend-url", "http://127.0.0.1:9", "--database-url", url]
+            + ["--output-root", str(work / "out"), "--input-root", str(work), "--port", str(port)]
+            + ["--max-json-bytes", str(128 * MiB), "--max-sample-bytes", str(128 * MiB)]
+            + ["--max-large-bodies", str(args.max_large_bodies), "--log-level", "warning"],
+            work / "service.log",
+        )
+        base = f"http://127.0.0.1:{port}"
+        pid = svc.proc.pid
+        try:
+            svc.wait_http(base + "/healthz")
+            with Watch(base, pid) as idle:
+                time.sleep(2)
+            database = url.split(":")[0]
+            print(f"service on {database}, RSS at start {rss(pid) / MiB:.0f} MiB, idle /healthz {ms(idle.health)}")
+            with httpx.Client(base_url=base, timeout=3600) as c:
+                for mb in (float(s) for s in args.sizes.split(",")):
+                    line = one_line(mb, rng)
+                    before = rss(pid)
+                    with Watch(base, pid) as watch:
+                        t = time.perf_counter()
+                        resp = c.post("/v1/jobs", content=line, headers={"content-type": "application/x-ndjson"})
+                        took = time.perf_counter() - t
+                    assert resp.status_code == 202, resp.text
+                    size = len(line) / 1e6
+                    print(
+                        f"NDJSON line of {size:6.1f} MB: {took:6.2f} s ({size / took:5.1f} MB/s); "
+                        f"RSS {before / MiB:.0f} -> peak {watch.peak / MiB:.0f} -> {rss(pid) / MiB:.0f} MiB; "
+                        f"/healthz meanwhile {ms(watch.health)}"
+                    )
+                body = json_body(args.json_mb, rng)
+                before = rss(pid)
+                with Watch(base, pid) as watch:
+                    t = time.perf_counter()
+                    resp = c.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+                    took = time.perf_counter() - t
+                assert resp.status_code == 202, resp.text
+                time.sleep(1)
+                count = resp.json()["counts"]["total"]
+                print(
+                    f"inline JSON of {len(body) / 1e6:.1f} MB ({count} samples): {took:.2f} s; "
+                    f"RSS {before / MiB:.0f} -> peak {watch.peak / MiB:.0f} -> {rss(pid) / MiB:.0f} MiB one second "
+                    f"after; /healthz meanwhile {ms(watch.health)}"
+                )
+
+                def post(_):
+                    with httpx.Client(base_url=base, timeout=3600) as one:
+                        t = time.perf_counter()
+                        r = one.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+                        return r.status_code, time.perf_counter() - t
+
+                before = rss(pid)
+                with Watch(base, pid, creates=True) as watch, ThreadPoolExecutor(3) as pool:
+                    answers = list(pool.map(post, range(3)))
+                print(
+                    f"three such bodies at once: answers {sorted(s for s, _ in answers)} in "
+                    f"{', '.join(f'{t:.1f}' for _, t in answers)} s; RSS {before / MiB:.0f} -> peak "
+                    f"{watch.peak / MiB:.0f} -> {rss(pid) / MiB:.0f} MiB; small creates meanwhile "
+                    f"{ms(watch.create_times)}; /healthz {ms(watch.health)}"
+                )
+        finally:
+            svc.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
