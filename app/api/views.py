@@ -112,14 +112,17 @@ def throughput_out(job_id: str, width: int, points: Sequence[repo.ThroughputPoin
     return Throughput(
         job_id=job_id,
         window_s=width,
-        points=[
-            ThroughputPoint(
-                start=datetime.fromtimestamp(p.start, timezone.utc),
-                seconds=round(p.seconds, 3),
-                samples=p.samples,
-                tokens=p.tokens,
-                tokens_per_s=round(p.tokens / p.seconds, 3) if p.seconds > 0 else 0.0,
-            )
-            for p in points
-        ],
+        points=[_point(p) for p in points],
+    )
+
+
+def _point(p: repo.ThroughputPoint) -> ThroughputPoint:
+    # The rate from the seconds as shown, so that a client dividing the two gets the same figure.
+    seconds = round(p.seconds, 3)
+    return ThroughputPoint(
+        start=datetime.fromtimestamp(p.start, timezone.utc),
+        seconds=seconds,
+        samples=p.samples,
+        tokens=p.tokens,
+        tokens_per_s=round(p.tokens / seconds, 3) if seconds > 0 else 0.0,
     )
