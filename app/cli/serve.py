@@ -8,11 +8,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from hsx.config import Settings
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
+
+if TYPE_CHECKING:  # imported by main() only: --help stays fast
+    from hsx.extraction import Writer
 
 NAME = "serve"
 HELP = "run the extraction service (API + dump-root writer)"
@@ -83,9 +86,24 @@ def setting_errors(exc: ValidationError) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
     from hsx.api.app import create_app
-    from hsx.backends.dumps import DumpRootBusy
+
+    settings = prepare(args, "hsx serve")
+    if isinstance(settings, int):
+        return settings
+    writer = None
+    if settings.run_writer:
+        writer = acquired_writer(settings, "hsx serve")
+        if writer is None:
+            return 2
+    app = create_app(settings, writer)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    return 0
+
+
+def prepare(args: argparse.Namespace, prog: str) -> Settings | int:
+    """What `hsx serve` and `hsx worker` do first: logging, the settings, the database migrated, the
+    output root checked as this database's (marked if it has none). An exit code when one fails."""
     from hsx.db.engine import make_engine, session_factory, upgrade
-    from hsx.extraction import Writer, writer_engine
     from hsx.extraction.output_root import shared_output_root
     from hsx.storage.output_root import OutputRootMismatch
 
@@ -94,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except ValidationError as exc:
         for line in setting_errors(exc):
-            print(f"hsx serve: {line}", file=sys.stderr)
+            print(f"{prog}: {line}", file=sys.stderr)
         return 2
     engine = make_engine(settings.database_url)
     try:
@@ -102,18 +120,23 @@ def main(args: argparse.Namespace) -> int:
         with session_factory(engine).begin() as session:
             shared_output_root(session, settings.output_root, mark=True)
     except OutputRootMismatch as exc:
-        print(f"hsx serve: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     finally:
         engine.dispose()
-    writer = None
-    if settings.run_writer:
-        writer = Writer(settings, session_factory(writer_engine(settings)))
-        try:
-            writer.acquire()
-        except DumpRootBusy as exc:
-            print(f"hsx serve: {exc}", file=sys.stderr)
-            return 2
-    app = create_app(settings, writer)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
-    return 0
+    return settings
+
+
+def acquired_writer(settings: Settings, prog: str) -> Writer | None:
+    """The writer for the dump root, its lock taken; None (said on stderr) when another process holds it."""
+    from hsx.backends.dumps import DumpRootBusy
+    from hsx.db.engine import session_factory
+    from hsx.extraction import Writer, writer_engine
+
+    writer = Writer(settings, session_factory(writer_engine(settings)))
+    try:
+        writer.acquire()
+    except DumpRootBusy as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+    return writer

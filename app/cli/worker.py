@@ -8,11 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 import threading
 
 from hsx.cli import serve
-from pydantic import ValidationError
 
 NAME = "worker"
 HELP = "run the dump-root writer alone (no HTTP API), one per model server"
@@ -41,35 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from hsx.backends.dumps import DumpRootBusy
-    from hsx.db.engine import make_engine, session_factory, upgrade
-    from hsx.extraction import Writer, writer_engine
-    from hsx.extraction.output_root import shared_output_root
-    from hsx.storage.output_root import OutputRootMismatch
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = serve.settings_from_args(args)
-    except ValidationError as exc:
-        for line in serve.setting_errors(exc):
-            print(f"hsx worker: {line}", file=sys.stderr)
-        return 2
-    setup = make_engine(settings.database_url)
-    try:
-        upgrade(setup)
-        with session_factory(setup).begin() as session:
-            shared_output_root(session, settings.output_root, mark=True)
-    except OutputRootMismatch as exc:
-        print(f"hsx worker: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        setup.dispose()
-    engine = writer_engine(settings)
-    writer = Writer(settings, session_factory(engine))
-    try:
-        writer.acquire()
-    except DumpRootBusy as exc:
-        print(f"hsx worker: {exc}", file=sys.stderr)
+    settings = serve.prepare(args, "hsx worker")
+    if isinstance(settings, int):
+        return settings
+    writer = serve.acquired_writer(settings, "hsx worker")
+    if writer is None:
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -78,5 +52,4 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("hsx.writer").info("worker %s running against %s", writer.identity, settings.backend_url)
     stop.wait()
     writer.stop()
-    engine.dispose()
     return 0

@@ -74,6 +74,21 @@ def start_worker(tmp: Path, name: str, backend: str, database_url: str) -> Proce
     return Process(args, tmp / f"{name}-worker.log")
 
 
+def start_api(tmp: Path, database_url: str, parts: list[Process]) -> str:
+    """The API alone (`hsx serve --no-writer`) on the shared output root; its URL."""
+    port = free_port()
+    proc = Process(
+        hsx_command()
+        + ["serve", "--no-writer", "--database-url", database_url, "--output-root", str(tmp / "output")]
+        + ["--port", str(port), "--input-root", str(tmp)],
+        tmp / "api.log",
+    )
+    parts.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_http(url + "/healthz")
+    return url
+
+
 def workers(api: str) -> dict[str, dict]:
     return {w["identity"].rsplit("/", 2)[-2]: w for w in httpx.get(api + "/v1/workers").json()["data"]}
 
@@ -89,18 +104,9 @@ def wait_for(what, timeout: float = 60.0, every: float = 0.2):
 
 
 def test_a_dead_and_a_stalled_worker_lose_their_samples_and_record_nothing_stale(tmp_path, postgres_url):
-    api_port = free_port()
-    api = f"http://127.0.0.1:{api_port}"
     parts: list[Process] = []
     try:
-        api_proc = Process(
-            hsx_command()
-            + ["serve", "--no-writer", "--database-url", postgres_url, "--output-root", str(tmp_path / "output")]
-            + ["--port", str(api_port), "--input-root", str(tmp_path)],
-            tmp_path / "api.log",
-        )
-        parts.append(api_proc)
-        api_proc.wait_http(api + "/healthz")
+        api = start_api(tmp_path, postgres_url, parts)
         procs = {}
         for name in ("a", "b", "c"):
             server, url = start_synthetic(tmp_path, name)
@@ -175,18 +181,9 @@ def test_a_worker_cut_off_from_the_database_past_its_lease_records_nothing_stale
     url = make_url(postgres_url)
     proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
     behind_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-    api_port = free_port()
-    api = f"http://127.0.0.1:{api_port}"
     parts: list[Process] = []
     try:
-        api_proc = Process(
-            hsx_command()
-            + ["serve", "--no-writer", "--database-url", postgres_url, "--output-root", str(tmp_path / "output")]
-            + ["--port", str(api_port), "--input-root", str(tmp_path)],
-            tmp_path / "api.log",
-        )
-        parts.append(api_proc)
-        api_proc.wait_http(api + "/healthz")
+        api = start_api(tmp_path, postgres_url, parts)
         procs = {}
         for name, db in (("a", behind_proxy), ("b", postgres_url)):
             server, backend = start_synthetic(tmp_path, name)
