@@ -33,6 +33,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
         summary="Extract hidden states sample by sample from an SGLang-style server into validated shards.",
         lifespan=lifespan,
         redirect_slashes=False,  # hsx.api.routing redirects, with a relative Location
+        generate_unique_id_function=openapi.operation_id,
     )
     # What the routes depend on (hsx.api.deps reads it).
     app.state.settings = settings

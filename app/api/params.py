@@ -31,5 +31,7 @@ ShardName = Annotated[PlainText, _in_path("the shard's file name, as the manifes
 
 # `after` cursors: a page's `next_after`, which the next request always accepts back.
 JobCursor = Annotated[PlainText | None, _in_query("job id the previous page ended with")]
-SampleCursor = Annotated[PlainText | None, _in_query("sample id the previous page ended with")]
+SampleCursor = Annotated[
+    PlainText | None, _in_query("sample id the previous page ended with (one of this job's; else a 422)")
+]
 NameQuery = Annotated[PlainText | None, _in_query("job name (NDJSON bodies only)")]

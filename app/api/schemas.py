@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+import json
 from datetime import datetime, timezone
-from typing import Annotated, Literal, overload
+from typing import Annotated, Any, Literal, TypeVar, overload
 
 from hsx.layers import check_layers
 from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
@@ -15,9 +16,11 @@ from pydantic import (
     Field,
     GetPydanticSchema,
     StrictInt,
+    ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonDict
 from pydantic_core import core_schema
 
 
@@ -38,6 +41,38 @@ JobStateValue = Annotated[str, _one_of(JobState)]
 SampleStateValue = Annotated[str, _one_of(SampleState)]
 
 
+# Token ids are stored as int32.
+MAX_TOKEN_ID = 2**31 - 1
+# The intake (hsx.service.intake) checks these rules with messages that name the sample; the schema
+# states them too, so that the document says which bodies are valid.
+TOKEN_IDS_SCHEMA: JsonDict = {"minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}
+LOSS_MASK_SCHEMA: JsonDict = {
+    "anyOf": [{"type": "array", "items": {"type": "integer", "enum": [0, 1]}}, {"type": "null"}]
+}
+LAYERS_SCHEMA: JsonDict = {
+    "anyOf": [
+        {"type": "array", "minItems": 1, "uniqueItems": True, "items": {"type": "integer", "minimum": 0}},
+        {"type": "null"},
+    ]
+}
+# Exactly one of the two sources, as `JobCreate._one_source` requires (null counts as absent); examples.
+JOB_CREATE_SCHEMA: JsonDict = {
+    "oneOf": [
+        {
+            "required": ["samples"],
+            "properties": {"samples": {"type": "array", "minItems": 1}, "input_path": {"type": "null"}},
+        },
+        {"required": ["input_path"], "properties": {"input_path": {"type": "string"}, "samples": {"type": "null"}}},
+    ],
+    "examples": [
+        {
+            "name": "demo",
+            "samples": [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [4, 5], "loss_mask": [0, 1]}],
+        },
+    ],
+}
+
+
 class SampleIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -46,12 +81,20 @@ class SampleIn(BaseModel):
         description=f"unique within the job; default: the sample's index. A string of 1 to {MAX_LENGTH} characters "
         "without control characters, or a 64-bit integer (stored as its decimal text)",
     )
-    input_ids: list[StrictInt] = Field(..., description="prompt token ids, at least one")
-    loss_mask: list[StrictInt] | None = Field(None, description="0/1 per token, same length; default all 1")
+    input_ids: list[StrictInt] = Field(
+        ...,
+        description="prompt token ids, at least one, each below the model's vocabulary size",
+        json_schema_extra=TOKEN_IDS_SCHEMA,
+    )
+    loss_mask: list[StrictInt] | None = Field(
+        None,
+        description="0/1 per token, as many as input_ids; default all 1",
+        json_schema_extra=LOSS_MASK_SCHEMA,
+    )
 
 
 class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=JOB_CREATE_SCHEMA)
 
     name: Name | None = Field(None, description=f"at most {MAX_LENGTH} characters, without control characters")
     samples: list[SampleIn] | None = Field(None, description="the samples, inline")
@@ -59,7 +102,9 @@ class JobCreate(BaseModel):
         None, description="a JSONL file (one sample object per line) relative to the service's input root"
     )
     layers: list[StrictInt] | None = Field(
-        None, description="captured layers the job requires; the server must capture exactly these"
+        None,
+        description="captured layers the job requires, ascending; the server must capture exactly these",
+        json_schema_extra=LAYERS_SCHEMA,
     )
 
     @model_validator(mode="after")
@@ -239,6 +284,34 @@ class WorkerOut(BaseModel):
 class WorkerList(BaseModel):
     object: Literal["list"] = "list"
     data: list[WorkerOut]
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(model: type[Body], text: bytes | bytearray | str, *, strict: bool | None = None) -> Body:
+    """`model` from JSON text. JSON has one kind of number, and JSON Schema's "integer" (what the
+    document says these fields are) includes 3.0: when integers written with a zero fraction are
+    what the fast parse refused, the text is parsed again with them read as integers."""
+    try:
+        return model.model_validate_json(text, strict=strict)
+    except ValidationError as exc:
+        if not any(_integral(e.get("input")) for e in exc.errors()):
+            raise
+    return model.model_validate(_integers(json.loads(text)), strict=strict)
+
+
+def _integral(value: object) -> bool:
+    return isinstance(value, float) and value.is_integer()
+
+
+def _integers(value: Any) -> Any:
+    """`value` with every integral float in it an int (request bodies have no float fields)."""
+    if isinstance(value, list):
+        return [_integers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integers(v) for k, v in value.items()}
+    return int(value) if _integral(value) else value
 
 
 @overload

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from hsx.api.schemas import SampleIn
+from hsx.api.schemas import MAX_TOKEN_ID, SampleIn, parse_body
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
@@ -31,7 +31,6 @@ from sqlalchemy.orm import Session
 if TYPE_CHECKING:
     from _hashlib import HASH
 
-MAX_TOKEN_ID = 2**31 - 1
 MAX_ERRORS = 50
 BATCH = 2000
 READ_BYTES = 1024 * 1024
@@ -183,7 +182,7 @@ def parse_sample(index: int, text: bytes | bytearray, where: dict) -> tuple[int,
     or as the errors that say why it is not one. The text is parsed and checked in one pass by
     pydantic's JSON parser (no intermediate Python dict)."""
     try:
-        return index, SampleIn.model_validate_json(text, strict=True), where
+        return index, parse_body(SampleIn, text, strict=True), where
     except ValidationError as exc:
         return (
             index,

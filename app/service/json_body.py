@@ -19,7 +19,7 @@ import json
 import re
 from typing import Iterator
 
-from hsx.api.schemas import JobCreate
+from hsx.api.schemas import JobCreate, parse_body
 from hsx.service.errors import InvalidInput
 from pydantic import ValidationError
 
@@ -48,7 +48,7 @@ def job_request(body: Body) -> tuple[JobCreate, Iterator[tuple[int, Body]]]:
         array = spans[0] if spans and body[spans[0][0]] == _OPEN_LIST else None
         skeleton = body if array is None else bytes(body[: array[0]]) + b"[]" + bytes(body[array[1] :])
         try:
-            request = JobCreate.model_validate_json(skeleton)
+            request = parse_body(JobCreate, skeleton)
         except ValidationError as exc:
             raise InvalidInput.from_pydantic(exc.errors()) from None
         elements = _elements(body, *array) if array is not None else iter(())

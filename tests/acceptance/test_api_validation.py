@@ -303,3 +303,15 @@ def test_input_paths_the_file_system_cannot_follow(service, unchanged):
     for path, words in cases.items():
         err = first_error(problem(service.post_job({"input_path": path}), 422))
         assert err["field"] == "input_path" and words in err["message"], (path[:20], err)
+
+
+def test_integers_written_with_a_zero_fraction_are_integers(service):
+    # JSON Schema's "integer", which the OpenAPI document says these are, includes 3.0.
+    resp = service.post_job({"samples": [{"id": 7.0, "input_ids": [1.0, 2], "loss_mask": [1.0, 0]}], "layers": [2.0]})
+    assert resp.status_code == 202, resp.text
+    job = resp.json()
+    assert job["layers"] == [2] and job["tokens"]["total"] == 2
+    assert [s["id"] for s in service.get(f"/v1/jobs/{job['id']}/samples").json()["data"]] == ["7"]
+    line = b'{"id": "n", "input_ids": [5.0, 6]}\n'
+    resp = service.client.post(service.url + "/v1/jobs", content=line, headers={"content-type": "application/x-ndjson"})
+    assert resp.status_code == 202, resp.text
