@@ -34,6 +34,10 @@ SHARD_LAYOUT = {
     "sample_rows": "offset .. offset + num_tokens",
 }
 
+# What `model` records, each null where unknown: the server's model_path and what its /get_model_info
+# or the checkpoint's config.json say (hsx.backends.capture.describe_model).
+MODEL_KEYS = ("model_path", "model_type", "num_hidden_layers", "hidden_size", "rms_norm_eps", "vocab_size")
+
 # Strict: a count that arrives as true, 3.0 or "3" is a damaged manifest, not a number.
 Count = Annotated[int, Field(ge=0, strict=True)]
 PositiveCount = Annotated[int, Field(ge=1, strict=True)]
@@ -88,6 +92,9 @@ class ManifestHeader(BaseModel):
     state: JobState
     model: dict[str, Any] | None = None
     layers: list[Count] | None = None
+    # Which of `layers` hold the model's output after its final norm: layer L (model.num_hidden_layers)
+    # in hsx's numbering, when captured. None: not recorded (an older manifest, or L unknown).
+    post_norm_layers: list[Count] | None = None
     hidden_size: PositiveCount | None = None
     dtype: str | None = None
     shard_layout: dict[str, Any] | None = Field(default_factory=lambda: dict(SHARD_LAYOUT))
@@ -100,6 +107,11 @@ class ManifestHeader(BaseModel):
         if layers is not None and (not layers or len(set(layers)) != len(layers)):
             raise ValueError("must be distinct layer numbers, at least one")
         return layers
+
+    def post_norm(self, layer: int) -> bool | None:
+        """Whether `layer` holds values after the model's final norm, as `post_norm_layers` records;
+        None where the manifest does not record it (then hsx's numbering says: layer L only)."""
+        return None if self.post_norm_layers is None else layer in self.post_norm_layers
 
     def hidden_states(self) -> HiddenStates:
         """The layers, hidden size and dtype the shards hold; ValueError when the manifest does not say
@@ -146,14 +158,18 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
     from hsx.db import repository as repo  # here, not above: the SDK imports this module without a database
 
     info = job.model_info or {}
+    layers, num_layers = info.get("layers", job.layers), info.get("num_hidden_layers")
     # One document validated at once: a model per sample built here would cost several times more.
     return Manifest.model_validate(
         {
             "job_id": job.id,
             "name": job.name,
             "state": state or job.state,
-            "model": {k: info.get(k) for k in ("model_path", "num_hidden_layers", "vocab_size")},
-            "layers": info.get("layers", job.layers),
+            "model": {k: info.get(k) for k in MODEL_KEYS},
+            "layers": layers,
+            "post_norm_layers": None
+            if layers is None or num_layers is None
+            else [i for i in layers if i == num_layers],
             "hidden_size": info.get("hidden_size"),
             "dtype": info.get("dtype"),
             "num_samples": job.num_samples,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.dtypes import HIDDEN_STATE_DTYPES
+from hsx.manifest import MODEL_KEYS
 
 PLUGIN_INFO_FILE = "hsx-plugin.json"
 PLUGIN_INFO_FORMAT = "hsx-plugin/1"
@@ -78,6 +79,20 @@ def read_model_config(model_path: object) -> dict | None:
     # Multimodal checkpoints keep the language model's numbers in text_config.
     text = config.get("text_config")
     return {**config, **text} if isinstance(text, dict) else config
+
+
+def describe_model(model_info: dict, server_info: dict) -> dict:
+    """The model as a manifest records it (hsx.manifest.MODEL_KEYS): each field from the server's
+    /get_model_info, or where it does not give one (stock SGLang gives model_type but no layer
+    count) from config.json in its model_path when that is a checkpoint readable here, else None."""
+    model_path = model_info.get("model_path") or server_info.get("model_path")
+    config = read_model_config(model_path) or {}
+    described = {"model_path": model_path}
+    for key in MODEL_KEYS:
+        if key != "model_path":
+            value = model_info.get(key)
+            described[key] = value if value is not None else config.get(key)
+    return described
 
 
 def decide(

@@ -17,7 +17,8 @@ Write a finished job's hidden states as one file per sample in a training framew
   speculators  hidden_states/hs_<i>.safetensors  (hidden_states [T,4,H], token_ids [T]) + hsx_samples.jsonl
   modelopt     <sample id>.pt  (input_ids, hidden_states [T,H], aux_hidden_states [T,3H], loss_mask)
 
-Layers follow hsx's numbering (0 = embeddings, k = decoder layer k, L = after the final norm); the
+Layers follow hsx's numbering (0 = embeddings, k = decoder layer k, L = after the final norm), and
+L, the post-norm layers and the model type come from the manifest where it records them; the
 EAGLE-3 capture is [2, L//2, L-3, L]. A job whose layers do not fit the target is refused (exit 1).
 Rerunning into the same folder skips files already complete; every file is written atomically.
 """
@@ -70,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--final-norm-offset",
         type=float,
-        default=0.0,
-        help="the norm scales by weight + OFFSET (1 for Gemma-style norms; default 0)",
+        default=None,
+        help="the norm scales by weight + OFFSET (default: 1 when the manifest's model.model_type has a "
+        "Gemma-style norm, else 0)",
     )
     p = sub.add_parser("modelopt", help="NVIDIA Model Optimizer offline EAGLE (OfflineSupervisedDataset)")
     _common(p)

@@ -79,6 +79,16 @@ def require_num_layers(job: StoredJob, num_layers: int | None) -> int:
     return int(value)
 
 
+def require_post_norm_last(job: StoredJob, target: str, last: int) -> None:
+    """Refuse a last layer that the manifest records as taken before the final norm (a manifest that
+    does not say follows hsx's numbering, where layer L is after it)."""
+    if job.manifest.post_norm(last) is False:
+        raise ExportRefused(
+            f"{target} takes layer {last} as the final hidden state after the model's final norm, but the "
+            f"manifest's post_norm_layers {job.manifest.post_norm_layers} say it is not"
+        )
+
+
 def require_layers(job: StoredJob, target: str, wanted: list[int], what: str) -> None:
     missing = [i for i in wanted if i not in job.layers]
     if missing:

@@ -27,7 +27,15 @@ import re
 from typing import BinaryIO
 
 import torch
-from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
+from hsx.exports.base import (
+    Exporter,
+    ExportRefused,
+    PlannedFile,
+    own,
+    require_layers,
+    require_num_layers,
+    require_post_norm_last,
+)
 from hsx.layers import layer_key
 from hsx.manifest import ManifestSample
 from hsx.training.reader import StoredJob
@@ -69,6 +77,7 @@ class ModelOptExporter(Exporter):
             f"aux {self.aux_layers} = hidden_states[lid + 1] for Model Optimizer aux layer ids "
             f"{[i - 1 for i in self.aux_layers]}, plus {self.num_layers} = the final layer after the norm",
         )
+        require_post_norm_last(job, self.target, self.num_layers)
         self._names = self._file_names()
 
     def _file_names(self) -> list[str]:

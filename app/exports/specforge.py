@@ -22,7 +22,15 @@ from __future__ import annotations
 from typing import BinaryIO
 
 import torch
-from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
+from hsx.exports.base import (
+    Exporter,
+    ExportRefused,
+    PlannedFile,
+    own,
+    require_layers,
+    require_num_layers,
+    require_post_norm_last,
+)
 from hsx.layers import eagle3_aux_layers, layer_key
 from hsx.manifest import ManifestSample
 from hsx.training.reader import StoredJob
@@ -58,6 +66,7 @@ class SpecForgeExporter(Exporter):
             f"aux {self.aux_layers} = SpecForge aux_hidden_state_layer_ids "
             f"{[i - 1 for i in self.aux_layers]}, plus {self.num_layers} = the final layer after the norm",
         )
+        require_post_norm_last(job, self.target, self.num_layers)
 
     def plan(self) -> list[PlannedFile]:
         g = self.group_size

@@ -13,11 +13,14 @@ norm (`verifier_norm`) before its lm_head: speculators stores the last layer *be
 (vLLM's extract_hidden_states with layer id L). Its `loss_mask` and `seq_len` come from the
 preprocessed (Arrow) dataset, row idx; this export writes them to `<out>/hsx_samples.jsonl`.
 
-hsx's layer L is *after* the final norm, and the pre-norm output of the last decoder layer has no
-layer number, so this export refuses unless it is given the final norm's weight
-(`final_norm_weight`): it then stores L / (weight + offset), which the trainer's RMS norm turns back
-into L. Every row is checked to have RMS 1 after the division (what an RMS-normed row divided by its
-scale must have), so a wrong weight or norm convention is refused rather than exported.
+hsx's layer L is *after* the final norm (the manifest's `post_norm_layers` says so; an older manifest
+that does not follows hsx's numbering), and the pre-norm output of the last decoder layer has no layer
+number, so this export refuses unless it is given the final norm's weight (`final_norm_weight`): it
+then stores L / (weight + offset), which the trainer's RMS norm turns back into L. The offset is 1 for
+the Gemma-style norms that scale by 1 + weight, known from the manifest's `model.model_type`, else 0.
+Every row is checked to have RMS 1 after the division (what an RMS-normed row divided by its scale
+must have), so a wrong weight or norm convention is refused rather than exported. A manifest whose
+`post_norm_layers` leave L out holds it before the norm already: it is stored as it is.
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ NORM_KEYS = (
     "norm.weight",
 )
 RMS_TOLERANCE = 0.02
+# transformers model types whose RMS norm scales by 1 + weight (their weights are stored centred on 0).
+ONE_PLUS_WEIGHT_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next"})
+
+
+def default_norm_offset(model_type: str | None) -> float:
+    """The final norm's offset (it scales by weight + offset) for a model type: 1 or 0."""
+    return 1.0 if model_type in ONE_PLUS_WEIGHT_NORMS else 0.0
 
 
 def load_final_norm_weight(path: str | Path, key: str | None = None) -> tuple[torch.Tensor, str]:
@@ -93,7 +103,7 @@ class SpeculatorsExporter(Exporter):
         aux_layers: list[int] | None = None,
         final_norm_weight: str | Path | None = None,
         final_norm_key: str | None = None,
-        final_norm_offset: float = 0.0,
+        final_norm_offset: float | None = None,
     ):
         super().__init__(job)
         self.num_layers = require_num_layers(job, num_layers)
@@ -109,6 +119,17 @@ class SpeculatorsExporter(Exporter):
             self.aux_layers + [self.num_layers],
             f"target_layer_ids {self.aux_layers + [self.num_layers]}: the aux layers, then the last layer",
         )
+        self.final_norm_offset = (
+            float(final_norm_offset) if final_norm_offset is not None else default_norm_offset(job.model_type)
+        )
+        # The scale the last layer is divided by; None when the manifest says it is before the norm already.
+        self.scale: torch.Tensor | None = None
+        self.norm_source = ""
+        if job.manifest.post_norm(self.num_layers) is not False:
+            self._load_scale(final_norm_weight, final_norm_key)
+
+    def _load_scale(self, final_norm_weight: str | Path | None, final_norm_key: str | None) -> None:
+        job = self.job
         if final_norm_weight is None:
             raise ExportRefused(norm_refusal(job.hidden_size))
         weight, self.norm_source = load_final_norm_weight(final_norm_weight, final_norm_key)
@@ -117,13 +138,11 @@ class SpeculatorsExporter(Exporter):
                 f"final norm weight {self.norm_source} has shape {tuple(weight.shape)}, "
                 f"the job's hidden size is {job.hidden_size}"
             )
-        self.scale = weight.to(torch.float32) + float(final_norm_offset)
+        self.scale = weight.to(torch.float32) + self.final_norm_offset
         if bool((self.scale.abs() < 1e-12).any()) or not bool(torch.isfinite(self.scale).all()):
             raise ExportRefused(
                 f"final norm scale from {self.norm_source} has zero or non-finite entries; the norm cannot be undone"
             )
-        self.final_norm_offset = float(final_norm_offset)
-        self.scale_sha256 = hashlib.sha256(self.scale.numpy().tobytes()).hexdigest()
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -136,16 +155,21 @@ class SpeculatorsExporter(Exporter):
         return ["input_ids"] + [layer_key(i) for i in self.target_layer_ids]
 
     def settings(self) -> dict:
-        return {
-            "target_layer_ids": self.target_layer_ids,
-            "final_norm": {"scale_sha256": self.scale_sha256, "offset": self.final_norm_offset},
-        }
+        final_norm = None
+        if self.scale is not None:
+            scale_sha256 = hashlib.sha256(self.scale.numpy().tobytes()).hexdigest()
+            final_norm = {"scale_sha256": scale_sha256, "offset": self.final_norm_offset}
+        return {"target_layer_ids": self.target_layer_ids, "final_norm": final_norm}
 
     def notes(self) -> list[str]:
+        last = (
+            f"with the final norm's scale ({self.norm_source}, offset {self.final_norm_offset:g}) divided out"
+            if self.scale is not None
+            else "as the manifest records it, before the final norm"
+        )
         return [
             f"hidden_states[:, k] = hsx layers {self.target_layer_ids} (launch_vllm --target-layer-ids "
-            f"{' '.join(map(str, self.aux_layers))}); the last one is layer {self.num_layers} with the final "
-            f"norm's scale ({self.norm_source}) divided out",
+            f"{' '.join(map(str, self.aux_layers))}); the last one is layer {self.num_layers} {last}",
             f"{SAMPLES_NAME}: one row per hs_<index> with input_ids, loss_mask and seq_len; build the "
             "training dataset from it: datasets.Dataset.from_json(...).select_columns(['input_ids', "
             "'loss_mask', 'seq_len']).with_format('torch').save_to_disk(DATA), then train with --data-path DATA "
@@ -153,6 +177,8 @@ class SpeculatorsExporter(Exporter):
         ]
 
     def unnormed_last(self, last: torch.Tensor, sample_id: object) -> torch.Tensor:
+        if self.scale is None:
+            return last
         x = last.to(torch.float32) / self.scale
         rms = x.pow(2).mean(dim=-1).sqrt()
         worst = (rms - 1).abs()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.backends.capture import Capture, CaptureProblem, decide, read_plugin_info
+from hsx.backends.capture import Capture, CaptureProblem, decide, describe_model, read_plugin_info
 from hsx.backends.dumps import DumpRoot
 from hsx.backends.extract import Extractor
 from hsx.backends.response import ResponseExtractor
@@ -109,11 +109,7 @@ class ServerWatch:
         self._boot_id = boot_id
         self.capture = capture
         self.layers = capture.layers
-        self.model_info = {
-            "model_path": model_info.get("model_path"),
-            "num_hidden_layers": model_info.get("num_hidden_layers"),
-            "vocab_size": model_info.get("vocab_size"),
-        }
+        self.model_info = describe_model(model_info, server_info)
         if capture.source == "response":
             self.extractor = ResponseExtractor(self.client, self.staging, capture)
         else:

@@ -48,6 +48,12 @@ class StoredJob:
         value = (self.manifest.model or {}).get("num_hidden_layers")
         return int(value) if value is not None else None
 
+    @property
+    def model_type(self) -> str | None:
+        """transformers' model_type ("llama", "gemma2", ...), where the manifest records it."""
+        value = (self.manifest.model or {}).get("model_type")
+        return str(value) if value is not None else None
+
 
 def load_job(source: str | os.PathLike) -> StoredJob:
     """Read and check a job's manifest; ValueError says what is wrong with it."""

@@ -12,10 +12,12 @@ import threading
 import time
 
 import httpx
+from hsx.exports import export_job
+from transformers import LlamaConfig
 
 from tests.support.procs import free_port
 from tests.support.samples import assert_stored_exactly, make_samples
-from tests.support.stack import VOCAB, start_reference, start_service
+from tests.support.stack import HIDDEN, NUM_LAYERS, VOCAB, start_reference, start_service
 
 
 def test_job_end_to_end_counter_mode(tmp_path, database_url, checkpoint, recompute):
@@ -32,6 +34,20 @@ def test_job_end_to_end_counter_mode(tmp_path, database_url, checkpoint, recompu
         job = svc.wait_job(created["id"])
         manifest = assert_stored_exactly(svc, job, samples, recompute)
         assert len(manifest.shards) >= 2, "a small shard size must roll over into several shards"
+        # The model as the server and its checkpoint's config.json describe it, and which layer is
+        # taken after the final norm; an export reads them from manifest.json.
+        assert manifest.model == {
+            "model_path": str(checkpoint),
+            "model_type": "llama",
+            "num_hidden_layers": NUM_LAYERS,
+            "hidden_size": HIDDEN,
+            "rms_norm_eps": LlamaConfig().rms_norm_eps,
+            "vocab_size": VOCAB,
+        }
+        assert manifest.post_norm_layers == [NUM_LAYERS]
+        exported = export_job("specforge", svc.output_root / job["id"], tmp_path / "specforge")
+        assert exported.written == 14
+        assert any(f"hidden_state = hsx layer {NUM_LAYERS} (after the final norm)" in n for n in exported.notes)
 
         page1 = svc.get(f"/v1/jobs/{job['id']}/samples", params={"limit": 5}).json()
         page2 = svc.get(f"/v1/jobs/{job['id']}/samples", params={"limit": 5, "after": page1["next_after"]}).json()

@@ -50,8 +50,11 @@ def test_answers_without_the_plugin_end_to_end(tmp_path, database_url, checkpoin
     try:
         samples = samples_sharing_prefixes(7, seed=32)
         job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
-        assert_stored_exactly(svc, job, samples, recompute, layers=AUX)
+        manifest = assert_stored_exactly(svc, job, samples, recompute, layers=AUX)
         assert all(len(log) == 1 for log in attempts(svc, job, samples))
+        # Stock SGLang names the model type; the layer count comes from the checkpoint's config.json.
+        assert (manifest.model["model_type"], manifest.model["num_hidden_layers"]) == ("llama", NUM_LAYERS)
+        assert manifest.post_norm_layers == [], "the aux layers are all taken before the final norm"
         server = svc.get("/healthz").json()["writer"]["server"]
         assert server["source"] == "response" and server["layers"] == AUX
 

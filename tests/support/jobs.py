@@ -108,7 +108,11 @@ def make_job(
     seed: int = 0,
     lengths: list[int] | None = None,
     ids: list[str] | None = None,
+    model: dict | None = None,
+    post_norm_layers: list[int] | None = None,
 ) -> JobFixture:
+    """`model` adds to (or replaces) the manifest's model fields; without it and `post_norm_layers`
+    the manifest says what older hsx versions wrote."""
     layers = list(layers)
     job_dir = Path(root) / job_id
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -149,8 +153,9 @@ def make_job(
         job_id=job_id,
         name="test",
         state=JobState.SUCCEEDED,
-        model={"model_path": "tiny", "num_hidden_layers": num_hidden_layers, "vocab_size": vocab},
+        model={"model_path": "tiny", "num_hidden_layers": num_hidden_layers, "vocab_size": vocab, **(model or {})},
         layers=layers,
+        post_norm_layers=post_norm_layers,
         hidden_size=hidden,
         dtype=dtype,
         num_samples=len(samples),
@@ -203,12 +208,19 @@ def llama_hidden_states(model, ids: list[list[int]]) -> list[tuple[torch.Tensor,
 
 
 def llama_job(
-    root: Path, model, *, layers: list[int] = (2, 4, 5, 8), lengths: tuple[int, ...] = (5, 9, 3), seed: int = 0
+    root: Path,
+    llama,
+    *,
+    layers: list[int] = (2, 4, 5, 8),
+    lengths: tuple[int, ...] = (5, 9, 3),
+    seed: int = 0,
+    **manifest,
 ) -> tuple[JobFixture, list[tuple[torch.Tensor, ...]]]:
-    """A float32 job holding the tiny Llama's real hidden states for a few random sequences."""
+    """A float32 job holding the tiny Llama's real hidden states for a few random sequences;
+    `manifest` goes to make_job (model=, post_norm_layers=)."""
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, LLAMA_VOCAB, (n,), generator=g).tolist() for n in lengths]
-    hidden = llama_hidden_states(model, ids)
+    hidden = llama_hidden_states(llama, ids)
     samples = [
         Sample(
             f"conv-{k}",
@@ -227,5 +239,6 @@ def llama_job(
         num_hidden_layers=LLAMA_LAYERS,
         vocab=LLAMA_VOCAB,
         job_id="job_llama",
+        **manifest,
     )
     return job, hidden

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hsx.backends.capture import CaptureProblem, decide, read_plugin_info
+from hsx.backends.capture import CaptureProblem, decide, describe_model, read_plugin_info
 from hsx.backends.dumps import DumpRejected
 from hsx.backends.response import exact
 
@@ -98,6 +98,33 @@ def test_an_unreadable_plugin_description_is_a_problem_not_a_guess(tmp_path):
     (tmp_path / "hsx-plugin.json").write_text(json.dumps({"format": "other/9"}))
     with pytest.raises(CaptureProblem, match="hsx-plugin/1"):
         read_plugin_info(tmp_path)
+
+
+def test_the_model_is_described_by_the_server_then_its_config(tmp_path):
+    d = tmp_path / "gemma"
+    d.mkdir()
+    # A multimodal checkpoint keeps the language model's numbers in text_config.
+    text = {"model_type": "gemma3_text", "num_hidden_layers": 34, "hidden_size": 2560, "rms_norm_eps": 1e-6}
+    (d / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text, "vocab_size": 262208}))
+    stock_info = {"model_path": str(d), "model_type": "gemma3"}  # stock SGLang's /get_model_info
+    assert describe_model(stock_info, {}) == {
+        "model_path": str(d),
+        "model_type": "gemma3",
+        "num_hidden_layers": 34,
+        "hidden_size": 2560,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 262208,
+    }
+    # a model_path not readable here: what the server says, the rest unknown
+    remote = {"model_path": "org/Model-8B", "num_hidden_layers": 32, "vocab_size": 128256}
+    assert describe_model(remote, {"model_path": "org/Model-8B"}) == {
+        "model_path": "org/Model-8B",
+        "model_type": None,
+        "num_hidden_layers": 32,
+        "hidden_size": None,
+        "rms_norm_eps": None,
+        "vocab_size": 128256,
+    }
 
 
 def test_answered_numbers_convert_exactly_or_not_at_all():

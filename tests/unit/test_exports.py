@@ -22,7 +22,7 @@ import torch
 from hsx.cli import main as hsx
 from hsx.exports import export_job
 from hsx.exports.base import RECORD_NAME, ExportRefused
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.support.jobs import LLAMA_LAYERS, llama_job, make_job, tiny_llama
 
@@ -237,6 +237,56 @@ def test_speculators_refuses_a_norm_that_does_not_fit(llama, tmp_path):
     assert not (tmp_path / "sp").exists()  # refused on the first sample's rows, before anything was written
     with pytest.raises(ExportRefused, match="no tensor named nope"):
         export_job("speculators", job.job_dir, tmp_path / "sp2", final_norm_weight=checkpoint, final_norm_key="nope")
+
+
+# --- what the manifest says about the model -------------------------------------------------------------
+
+
+def test_an_older_manifest_without_the_model_conventions_still_exports(job, tmp_path):
+    doc = json.loads(job.manifest_path.read_text())
+    del doc["post_norm_layers"]
+    doc["model"] = {"model_path": "tiny", "num_hidden_layers": 8, "vocab_size": 1000}  # what hsx wrote before
+    job.manifest_path.write_text(json.dumps(doc))
+    # hsx's numbering then says which layer is after the final norm: L
+    assert export_job("specforge", job.job_dir, tmp_path / "sf").written == 5
+    assert export_job("modelopt", job.job_dir, tmp_path / "mo").written == 5
+    with pytest.raises(ExportRefused, match="norm would be applied twice"):
+        export_job("speculators", job.job_dir, tmp_path / "sp")
+
+
+def test_exports_take_the_post_norm_layers_from_the_manifest(tmp_path):
+    # A manifest saying that layer L was taken before the final norm.
+    job = make_job(tmp_path, num_samples=3, model={"model_type": "llama"}, post_norm_layers=[])
+    for target in ("specforge", "modelopt"):
+        with pytest.raises(ExportRefused, match=r"post_norm_layers \[\] say it is not"):
+            export_job(target, job.job_dir, tmp_path / target)
+    # speculators wants L before the norm: stored as it is, no final norm weight needed
+    result = export_job("speculators", job.job_dir, tmp_path / "sp")
+    assert any("before the final norm" in n for n in result.notes)
+    for idx, s in enumerate(job.samples):
+        assert torch.equal(read_speculators(tmp_path / "sp")[idx]["verifier_last_hidden_states"], s.layers[8])
+
+
+def test_speculators_takes_the_norm_offset_from_the_model_type(tmp_path):
+    model = tiny_llama()
+    weight = model.model.norm.weight.detach().clone()
+    # A Gemma-style checkpoint stores the norm weight centred on 0 and scales by 1 + weight.
+    centred = tmp_path / "centred-norm.safetensors"
+    save_file({"model.norm.weight": weight - 1}, centred)
+    gemma, hidden = llama_job(tmp_path / "gemma", model, model={"model_type": "gemma2"}, post_norm_layers=[8])
+    result = export_job("speculators", gemma.job_dir, tmp_path / "sp", final_norm_weight=centred)
+    assert any("offset 1" in n for n in result.notes)
+    for idx, hs in enumerate(hidden):
+        last = read_speculators(tmp_path / "sp")[idx]["verifier_last_hidden_states"]
+        with torch.no_grad():
+            renormed = last / last.pow(2).mean(-1, keepdim=True).add(model.config.rms_norm_eps).sqrt() * weight
+        assert torch.allclose(renormed, hs[-1], atol=1e-5)
+    # the same weights for a model type with a plain norm: the offset is 0, and the rows say it is wrong
+    plain, _ = llama_job(tmp_path / "plain", model, model={"model_type": "llama"}, post_norm_layers=[8])
+    with pytest.raises(ExportRefused, match="has RMS .* not 1"):
+        export_job("speculators", plain.job_dir, tmp_path / "sp2", final_norm_weight=centred)
+    # an explicit offset wins over the model type's
+    assert export_job("speculators", plain.job_dir, tmp_path / "sp3", final_norm_weight=centred, final_norm_offset=1)
 
 
 # --- resume, atomicity, refusal ---------------------------------------------------------------------
