@@ -13,7 +13,7 @@ from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.storage.shards import shard_name
 
-from tests.support.procs import Process, free_port, hsx_command
+from tests.support.procs import Process, free_port, synthetic_server_args
 from tests.support.stack import start_service
 
 HIDDEN, NUM_LAYERS, VOCAB = 64, 8, 1000
@@ -22,22 +22,14 @@ LAYERS = [2, 4, 5, 8]
 
 def start_synthetic(tmp, *extra: str):
     port = free_port()
-    args = hsx_command() + [
-        "reference-server",
-        "--synthetic",
-        "--hidden-size",
-        str(HIDDEN),
-        "--num-layers",
-        str(NUM_LAYERS),
-        "--vocab-size",
-        str(VOCAB),
-        "--dump-root",
-        str(tmp / "dumps"),
-        "--port",
-        str(port),
-        "--enable-fault-injection",
-        *extra,
-    ]
+    args = synthetic_server_args(
+        hidden=HIDDEN,
+        num_layers=NUM_LAYERS,
+        vocab=VOCAB,
+        dump_root=tmp / "dumps",
+        port=port,
+        extra=["--enable-fault-injection", *extra],
+    )
     proc = Process(args, tmp / f"reference-{port}.log")
     url = f"http://127.0.0.1:{port}"
     proc.wait_http(url + "/health")

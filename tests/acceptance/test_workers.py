@@ -21,7 +21,7 @@ from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.sdk import HsxClient
 from sqlalchemy.engine import make_url
 
-from tests.support.procs import Process, free_port, hsx_command
+from tests.support.procs import Process, free_port, hsx_command, synthetic_server_args
 from tests.support.tcp_proxy import TcpProxy
 
 HIDDEN, NUM_LAYERS, VOCAB = 64, 8, 1000
@@ -31,24 +31,14 @@ LEASE_S = 3.0
 
 def start_synthetic(tmp: Path, name: str) -> tuple[Process, str]:
     port = free_port()
-    args = hsx_command() + [
-        "reference-server",
-        "--synthetic",
-        "--hidden-size",
-        str(HIDDEN),
-        "--num-layers",
-        str(NUM_LAYERS),
-        "--vocab-size",
-        str(VOCAB),
-        "--name-by",
-        "rid",
-        "--prefill-us-per-token",
-        "4000",
-        "--dump-root",
-        str(tmp / name / "dumps"),
-        "--port",
-        str(port),
-    ]
+    args = synthetic_server_args(
+        hidden=HIDDEN,
+        num_layers=NUM_LAYERS,
+        vocab=VOCAB,
+        dump_root=tmp / name / "dumps",
+        port=port,
+        extra=["--name-by", "rid", "--prefill-us-per-token", "4000"],
+    )
     proc = Process(args, tmp / f"{name}-server.log")
     url = f"http://127.0.0.1:{port}"
     proc.wait_http(url + "/health")

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,15 @@ def hsx_command() -> list[str]:
     """The installed `hsx` console script, or the module when it is not on PATH."""
     exe = shutil.which("hsx", path=str(Path(sys.executable).parent)) or shutil.which("hsx")
     return [exe] if exe else [sys.executable, "-m", "hsx.cli"]
+
+
+def synthetic_server_args(
+    *, hidden: int, num_layers: int, vocab: int, dump_root: Path, port: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """`hsx reference-server --synthetic` of this shape, dumping to `dump_root`, listening on `port`."""
+    shape = ["--hidden-size", str(hidden), "--num-layers", str(num_layers), "--vocab-size", str(vocab)]
+    where = ["--dump-root", str(dump_root), "--port", str(port)]
+    return hsx_command() + ["reference-server", "--synthetic", *shape, *where, *extra]
 
 
 class Process:

@@ -18,7 +18,7 @@ from hsx.reference.faults import BAD_DUMP_KINDS
 from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.states import TERMINAL_JOB_STATES
 
-from tests.support.procs import Process, free_port, hsx_command
+from tests.support.procs import Process, free_port, hsx_command, synthetic_server_args
 
 HIDDEN = 64
 NUM_LAYERS = 8
@@ -50,23 +50,14 @@ class Soak:
         return f"http://127.0.0.1:{self.svc_port}"
 
     def start_reference(self) -> None:
-        args = hsx_command() + [
-            "reference-server",
-            "--synthetic",
-            "--hidden-size",
-            str(HIDDEN),
-            "--num-layers",
-            str(NUM_LAYERS),
-            "--vocab-size",
-            str(VOCAB),
-            "--dump-root",
-            str(self.dump_root),
-            "--port",
-            str(self.ref_port),
-            "--enable-fault-injection",
-            "--prefill-us-per-token",
-            str(self.prefill_us_per_token),
-        ]
+        args = synthetic_server_args(
+            hidden=HIDDEN,
+            num_layers=NUM_LAYERS,
+            vocab=VOCAB,
+            dump_root=self.dump_root,
+            port=self.ref_port,
+            extra=["--enable-fault-injection", "--prefill-us-per-token", str(self.prefill_us_per_token)],
+        )
         self.ref = Process(args, self.work / "reference.log")
         self.ref.wait_http(self.ref_url + "/health")
 
