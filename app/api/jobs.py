@@ -166,9 +166,9 @@ def list_jobs(
 ) -> JobPage:
     rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
     page = rows[:limit]
-    waiting = repo.waiting_reason(session)
+    waiting = repo.waiting(session)
     return JobPage(
-        data=[job_out(j, waiting) for j in page],
+        data=[job_out(j, waiting.reason(j)) for j in page],
         has_more=len(rows) > limit,
         next_after=page[-1].id if len(rows) > limit else None,
     )
@@ -183,7 +183,7 @@ def list_jobs(
 )
 def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
     job = service.get_job(session=session, job_id=job_id)
-    return job_out(job, repo.waiting_reason(session))
+    return job_out(job, repo.waiting(session).reason(job))
 
 
 @router.get(
@@ -202,7 +202,7 @@ async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep)
     def load() -> JobOut | None:
         with sessions() as s:
             job = repo.get_job(s, job_id)
-            return job_out(job, repo.waiting_reason(s)) if job else None
+            return job_out(job, repo.waiting(s).reason(job)) if job else None
 
     first = await run_in_threadpool(load)
     if first is None:

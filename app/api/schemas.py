@@ -169,6 +169,9 @@ class JobPage(BaseModel):
 
 class AttemptOut(BaseModel):
     number: int
+    worker: str | None = Field(
+        None, description="the writer that ran it (host:dump root; `#n` marks one of its in-flight slots)"
+    )
     outcome: str | None
     reason: str | None
     started_at: datetime
@@ -271,6 +274,11 @@ class WorkerOut(BaseModel):
     reason: str | None = Field(description="why it is not ready")
     backend_url: str | None = Field(description="its model server")
     model_path: str | None = Field(description="the model its server reports")
+    model_key: str | None = Field(
+        None,
+        description="its model's identity (a digest of the model as its server describes it): a job's samples "
+        "go only to workers of the model and layers its first stored sample came from",
+    )
     layers: list[int] | None = Field(description="the layers its server gives")
     source: str | None = Field(description="dumps or response: how it takes hidden states from its server")
     started_at: datetime

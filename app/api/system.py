@@ -71,6 +71,7 @@ def _worker(w: WriterRow) -> WorkerOut:
         reason=w.reason,
         backend_url=server.get("url"),
         model_path=server.get("model_path"),
+        model_key=server.get("model_key"),
         layers=server.get("layers"),
         source=server.get("source"),
         started_at=utc(w.started_at),

@@ -22,7 +22,7 @@ from hsx.states import JobState
 
 
 def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
-    """A job, its rate and ETA; `waiting` is why active jobs make no progress (see repo.waiting_reason)."""
+    """A job, its rate and ETA; `waiting` is why it makes no progress if active (see hsx.matching.Waiting)."""
     rate = eta = None
     started = utc(job.started_at)
     if started is not None:
@@ -72,6 +72,7 @@ def sample_out(s: SampleRow, attempts: Sequence[AttemptRow] | None = None) -> Sa
         log = [
             AttemptOut(
                 number=a.number,
+                worker=a.writer,
                 outcome=a.outcome,
                 reason=a.reason,
                 started_at=utc(a.started_at),

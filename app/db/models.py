@@ -51,6 +51,10 @@ class JobRow(Base):
     model_info: Mapped[dict | None] = mapped_column(JSON)
     # Captured layers the job asks for; NULL takes whatever the server captures.
     layers: Mapped[list | None] = mapped_column(JSON)
+    # Which workers may claim its samples (hsx.matching): the layers it asks for or was first
+    # captured with, and the model its first stored sample came from. NULL: any worker.
+    layers_key: Mapped[str | None] = mapped_column(String(2000))
+    model_key: Mapped[str | None] = mapped_column(String(32))
     # Bytes its shards will take (tokens x (layers x hidden x dtype size + ids and mask)); NULL: unknown.
     estimated_bytes: Mapped[int | None] = mapped_column(BigInteger)
     disk_warning: Mapped[str | None] = mapped_column(Text)

@@ -15,9 +15,10 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, cast
 
 from hsx.db.models import AttemptRow, JobRow, OutputRootRow, SampleRow, ShardRow, ThroughputRow, WriterRow
+from hsx.matching import Serves, Waiting, layers_key
 from hsx.names import could_be_stored
 from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
-from sqlalchemy import CursorResult, Result, case, delete, exists, func, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, Result, case, delete, exists, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
@@ -104,6 +105,7 @@ class JobBuilder:
             state=JobState.QUEUED,
             created_at=utcnow(),
             layers=layers,
+            layers_key=layers_key(layers),
             idempotency_key=idempotency_key,
             request_sha256=request_sha256,
             num_samples=0,
@@ -250,9 +252,18 @@ def get_job(session: Session, job_id: str) -> JobRow | None:
     return session.get(JobRow, job_id)
 
 
-def set_job_model_info(session: Session, job_id: str, info: dict) -> dict:
-    """Record the model the job's first dump came from; return what is recorded."""
-    session.execute(update(JobRow).where(JobRow.id == job_id, JobRow.model_info.is_(None)).values(model_info=info))
+def set_job_model_info(session: Session, job_id: str, info: dict, serves: Serves) -> dict:
+    """Record the model the job's first dump came from, and from then on which workers may claim
+    its samples (those serving that model and those layers); return what is recorded."""
+    session.execute(
+        update(JobRow)
+        .where(JobRow.id == job_id, JobRow.model_info.is_(None))
+        .values(
+            model_info=info,
+            model_key=serves.model,
+            layers_key=func.coalesce(JobRow.layers_key, layers_key(info.get("layers"))),
+        )
+    )
     return session.execute(select(JobRow.model_info).where(JobRow.id == job_id)).scalar_one()
 
 
@@ -357,8 +368,9 @@ def _transition(
     return rc
 
 
-def claim_next(session: Session, writer: str) -> Claimed | None:
-    """Take the oldest queued sample for `writer`, unless that writer already runs one.
+def claim_next(session: Session, writer: str, serves: Serves | None = None) -> Claimed | None:
+    """Take the oldest queued sample for `writer`, unless that writer already runs one; with
+    `serves`, only of a job that worker may run (hsx.matching).
 
     Lock order is the same on every path that moves samples of a job: the job row first, then
     sample rows. So the claim locks the oldest job with queued samples before its sample; on
@@ -372,7 +384,7 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
     has_queued = exists().where(SampleRow.job_id == JobRow.id, SampleRow.state == SampleState.QUEUED)
     job_id = session.execute(
         select(JobRow.id)
-        .where(JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), has_queued)
+        .where(JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), *_runs_on(serves), has_queued)
         .order_by(JobRow.id)
         .limit(1)
         .with_for_update(of=JobRow)
@@ -445,6 +457,17 @@ def claim_next(session: Session, writer: str) -> Claimed | None:
         job.model_info,
         queued_left,
     )
+
+
+def _runs_on(serves: Serves | None) -> list[ColumnElement[bool]]:
+    """The jobs a worker serving `serves` may claim from: those of no key yet, or of its own."""
+    if serves is None:
+        return []
+    conditions = []
+    for column, mine in ((JobRow.layers_key, serves.layers), (JobRow.model_key, serves.model)):
+        if mine is not None:
+            conditions.append(or_(column.is_(None), column == mine))
+    return conditions
 
 
 def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str | None = None, **fields) -> None:
@@ -930,11 +953,6 @@ def live_writers(session: Session) -> list[WriterRow]:
     )
 
 
-def waiting_reason(session: Session) -> str | None:
-    """Why active jobs make no progress now, or None while some writer is ready."""
-    writers = live_writers(session)
-    if not writers:
-        return "no writer is running (start `hsx serve` or `hsx worker` with a dump root against this database)"
-    if any(w.state == "ready" for w in writers):
-        return None
-    return "; ".join(f"{w.identity}: {w.state}: {w.reason}" for w in writers)
+def waiting(session: Session) -> Waiting:
+    """Why active jobs make no progress, job by job (hsx.matching.Waiting)."""
+    return Waiting(live_writers(session))

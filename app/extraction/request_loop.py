@@ -31,6 +31,7 @@ from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
 from hsx.extraction.server_watch import SampleExtractor, ServerWatch
 from hsx.extraction.status import StatusReport
+from hsx.matching import Serves
 from sqlalchemy.orm import Session
 
 log = logging.getLogger("hsx.writer")
@@ -97,7 +98,8 @@ class RequestLoop:
         if not self.flusher.wait_for_room():
             return False
         self.report.set("ready")
-        claimed = self.db.run(lambda s: repo.claim_next(s, self.slot_identity(slot)))
+        serves = Serves.of(self.server.layers, self.server.model_info)
+        claimed = self.db.run(lambda s: repo.claim_next(s, self.slot_identity(slot), serves))
         if claimed is None:
             if slot == 0:
                 self._sweep(extractor)
@@ -108,10 +110,7 @@ class RequestLoop:
             # Nothing left to claim: what is staged can go to its shard while the last requests
             # run, so the job ends with only their samples left to write.
             self.flusher.wake()
-        if claimed.job_layers is not None and self.server.layers not in (None, claimed.job_layers):
-            self._refuse_job(claimed)
-        else:
-            self._process(claimed, extractor)
+        self._process(claimed, extractor, serves)
         self.flusher.settle(claimed.job_id)
         return True
 
@@ -125,19 +124,7 @@ class RequestLoop:
             self.report.set(verdict.state, verdict.reason)
         return extractor
 
-    def _refuse_job(self, c: repo.Claimed) -> None:
-        """The server captures other layers than the job asks for: fail the job, spend nothing."""
-        how = f" from {self.server.capture.how}" if self.server.capture is not None else ""
-        reason = f"wrong_layers: the job asks for layers {c.job_layers}, the server gives {self.server.layers}{how}"
-
-        def refuse(s: Session) -> None:
-            repo.release_interrupted(s, c, reason=reason)
-            repo.fail_job(s, c.job_id, reason)
-
-        self.db.run(refuse)
-        log.warning("job %s refused: %s", c.job_id, reason)
-
-    def _process(self, c: repo.Claimed, extractor: SampleExtractor) -> None:
+    def _process(self, c: repo.Claimed, extractor: SampleExtractor, serves: Serves) -> None:
         ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
         rid = f"{extractor.capture.rid_prefix}{c.job_id}-{c.idx}-t{c.try_number}"
         info = c.job_model_info or {}
@@ -177,13 +164,10 @@ class RequestLoop:
         )
 
         def stage(s: Session) -> bool:
-            if c.job_model_info is None and repo.set_job_model_info(s, c.job_id, model) != model:
-                repo.record_failed_attempt(
-                    s,
-                    c,
-                    reason="wrong_model: dump differs from the job's model",
-                    max_attempts=self.settings.max_attempts,
-                )
+            if c.job_model_info is None and repo.set_job_model_info(s, c.job_id, model, serves) != model:
+                # Another worker stored the job's first sample meanwhile, from another model or
+                # other layers: the sample is not at fault and goes back for a worker that matches.
+                repo.release_interrupted(s, c, reason="the job's model was recorded meanwhile from another worker")
                 return False
             repo.mark_staged(
                 s,

@@ -21,6 +21,7 @@ from hsx.backends.response import ResponseExtractor
 from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
 from hsx.config import Settings
 from hsx.extraction.backoff import Backoff
+from hsx.matching import model_key
 
 log = logging.getLogger("hsx.writer")
 
@@ -125,6 +126,8 @@ class ServerWatch:
             "name_by": capture.name_by if capture.source == "dumps" else None,
             "boot_id": boot_id,
             "model_path": model_info.get("model_path"),
+            "model_key": model_key(self.model_info),
             "layers": self.layers,
+            "layers_from": capture.how,
         }
         return ServerVerdict("ready", server=server)

@@ -29,15 +29,15 @@ LAYERS = [2, 4, 5, 8]
 LEASE_S = 3.0
 
 
-def start_synthetic(tmp: Path, name: str) -> tuple[Process, str]:
+def start_synthetic(tmp: Path, name: str, hidden: int = HIDDEN, extra: tuple[str, ...] = ()) -> tuple[Process, str]:
     port = free_port()
     args = synthetic_server_args(
-        hidden=HIDDEN,
+        hidden=hidden,
         num_layers=NUM_LAYERS,
         vocab=VOCAB,
         dump_root=tmp / name / "dumps",
         port=port,
-        extra=["--name-by", "rid", "--prefill-us-per-token", "4000"],
+        extra=["--name-by", "rid", "--prefill-us-per-token", "4000", *extra],
     )
     proc = Process(args, tmp / f"{name}-server.log")
     url = f"http://127.0.0.1:{port}"
@@ -213,5 +213,81 @@ def test_a_worker_cut_off_from_the_database_past_its_lease_records_nothing_stale
         wait_for(lambda: workers(api)["a"]["state"] == "ready")
     finally:
         proxy.close()
+        for p in reversed(parts):
+            p.stop()
+
+
+def test_a_job_runs_only_on_workers_of_its_model_and_layers(tmp_path, postgres_url):
+    """Worker a serves EAGLE-3's layers of one model, worker b two other layers of a wider model. A
+    job asking for a's layers runs on a only, one asking for b's on b only; a job asking for none
+    runs on whichever worker stores its first sample, and only there; a job nobody serves waits and
+    says why, instead of failing."""
+    parts: list[Process] = []
+    try:
+        api = start_api(tmp_path, postgres_url, parts)
+        shapes = {"a": (HIDDEN, LAYERS), "b": (2 * HIDDEN, [1, 3])}
+        for name, (hidden, layers) in shapes.items():
+            server, url = start_synthetic(tmp_path, name, hidden, ("--layers", ",".join(map(str, layers))))
+            parts += [server, start_worker(tmp_path, name, url, postgres_url)]
+        wait_for(lambda: {k for k, w in workers(api).items() if w["state"] == "ready"} == {"a", "b"})
+        listed = workers(api)
+        assert listed["a"]["model_key"] != listed["b"]["model_key"], "different shapes are different models"
+
+        rng = random.Random(6)
+
+        def samples(prefix: str, n: int) -> list[dict]:
+            return [
+                {"id": f"{prefix}{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(10, 40))]}
+                for i in range(n)
+            ]
+
+        jobs = {
+            "a": (samples("a", 12), LAYERS),
+            "b": (samples("b", 12), [1, 3]),
+            "any": (samples("n", 12), None),
+            "none": (samples("x", 3), [6]),
+        }
+        ids = {
+            k: httpx.post(api + "/v1/jobs", json={"samples": ss, **({"layers": ls} if ls else {})}, timeout=30).json()[
+                "id"
+            ]
+            for k, (ss, ls) in jobs.items()
+        }
+
+        def job(key: str) -> dict:
+            return httpx.get(f"{api}/v1/jobs/{ids[key]}").json()
+
+        for key in ("a", "b", "any"):
+            final = wait_for(lambda k=key: job(k) if job(k)["state"] in ("succeeded", "failed") else None, timeout=120)
+            assert final["state"] == "succeeded", final
+
+        def ran_on(key: str) -> set[str]:
+            """The workers whose attempts stored the job's samples; no attempt of the job failed."""
+            names = set()
+            for s in jobs[key][0]:
+                log = httpx.get(f"{api}/v1/jobs/{ids[key]}/samples/{s['id']}").json()["attempt_log"]
+                assert all(a["outcome"] in ("ok", "interrupted") for a in log), log
+                names |= {a["worker"].split("#")[0].rsplit("/", 2)[-2] for a in log if a["outcome"] == "ok"}
+            return names
+
+        assert ran_on("a") == {"a"} and ran_on("b") == {"b"}
+        pinned = ran_on("any")
+        assert len(pinned) == 1, f"a job's samples come from one model: {pinned}"
+        hidden, layers = shapes[pinned.pop()]
+        for key in ("a", "b", "any"):
+            manifest = load_manifest(tmp_path / "output" / ids[key])
+            assert manifest.layers == (jobs[key][1] or layers)
+            for s in jobs[key][0]:
+                got = read_sample(tmp_path / "output" / ids[key], manifest, s["id"])
+                truth = synthetic_hidden_states(s["input_ids"], manifest.layers, manifest.hidden_size, torch.bfloat16)
+                for layer in manifest.layers:
+                    assert torch.equal(got[f"layer_{layer}"], truth[layer]), (key, s["id"], layer)
+
+        waiting = job("none")
+        assert waiting["state"] == "queued" and waiting["counts"]["queued"] == 3, waiting
+        reason = waiting["waiting_reason"] or ""
+        assert "no live worker serves this job" in reason and "layers [6]" in reason, reason
+        assert f"gives layers {LAYERS}" in reason and "gives layers [1, 3]" in reason, reason
+    finally:
         for p in reversed(parts):
             p.stop()

@@ -8,6 +8,7 @@ import pytest
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.manifest import build_manifest
+from hsx.matching import Serves
 from sqlalchemy import event, text
 
 pytestmark = pytest.mark.postgres
@@ -41,13 +42,13 @@ def test_hot_queries_use_indexes(postgres_url):
 
     event.listen(engine, "before_cursor_execute", record)
     with sessions.begin() as s:
-        claimed = repo.claim_next(s, "w2")
+        claimed = repo.claim_next(s, "w2", Serves("2,4", "0" * 32))
         repo.record_failed_attempt(s, claimed, reason="x", max_attempts=3)
         repo.get_job(s, job.id)
         page = repo.list_samples(s, job.id, state="queued", after_idx=100, limit=100)
         repo.get_sample(s, job.id, page[-1].sample_id)
         repo.staged_samples(s, "w", job.id)
-        repo.waiting_reason(s)
+        repo.waiting(s)
         repo.finish_job_if_done(s, other.id)
         next(repo.iter_stored_samples(s, job.id, batch=1000), None)
         build_manifest(s, repo.get_job(s, other.id))
