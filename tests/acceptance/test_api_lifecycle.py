@@ -25,7 +25,7 @@ from tests.support.stack import VOCAB, start_reference, start_service
 def stack(request, tmp_path_factory, checkpoint):
     tmp = tmp_path_factory.mktemp(f"life-{request.param}")
     url = f"sqlite:///{tmp / 'hsx.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_module_url")
-    ref = start_reference(tmp, checkpoint)
+    ref = start_reference(tmp, checkpoint, extra=["--enable-fault-injection"])
     svc = start_service(
         tmp,
         url,
@@ -79,16 +79,24 @@ def test_cancel_stores_what_was_in_flight_and_nothing_half(stack, recompute):
 
 
 def test_retry_and_delete(stack):
-    svc, _ = stack
-    # The server captures [2, 4, 5, 8]; a job asking for other layers fails every sample.
-    job = svc.wait_job(svc.post_job({"samples": make_samples(2, seed=12), "layers": [1, 2]}).json()["id"])
-    assert job["state"] == "failed" and job["counts"]["failed"] == 2
-    failed = svc.get(f"/v1/jobs/{job['id']}/samples", params={"state": "failed"}).json()["data"]
-    assert len(failed) == 2 and all("layers" in s["last_error"] for s in failed)
-    resp = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/retry")
-    assert resp.status_code == 200 and resp.json()["counts"]["queued"] + resp.json()["counts"]["running"] >= 1
-    job = svc.wait_job(job["id"])
-    assert job["state"] == "failed"  # still the wrong layers: failed again, with its reason
+    svc, ref = stack
+    # Every dump comes out a token short: each sample fails its attempts with the reason.
+    faults = f"{ref.url}/admin/faults"
+    httpx.post(faults, json={"bad_dumps": {"probability": 1.0, "kind": "wrong_num_tokens"}}).raise_for_status()
+    try:
+        job = svc.wait_job(svc.post_job({"samples": make_samples(2, seed=12)}).json()["id"])
+        assert job["state"] == "failed" and job["counts"]["failed"] == 2
+        failed = svc.get(f"/v1/jobs/{job['id']}/samples", params={"state": "failed"}).json()["data"]
+        assert len(failed) == 2 and all("num_tokens" in s["last_error"] for s in failed), [s["last_error"] for s in failed]
+        resp = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/retry")
+        assert resp.status_code == 200 and resp.json()["counts"]["queued"] + resp.json()["counts"]["running"] >= 1
+        job = svc.wait_job(job["id"])
+        assert job["state"] == "failed"  # the server still damages every dump: failed again, with its reason
+    finally:
+        httpx.delete(faults).raise_for_status()
+    retried = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/retry")
+    assert retried.status_code == 200
+    assert svc.wait_job(job["id"])["state"] == "succeeded", "once the server is fixed a retry stores them"
     ok = svc.wait_job(svc.post_job({"samples": make_samples(1, seed=13)}).json()["id"])
     assert svc.client.post(f"{svc.url}/v1/jobs/{ok['id']}/retry").status_code == 409
     running = svc.post_job({"samples": make_samples(30, seed=14, lo=60, hi=120)}).json()
