@@ -73,6 +73,12 @@ class Settings(BaseSettings):
     )
     shard_max_wait_s: float = Field(30.0, description="staged samples wait at most this long for their shard")
     max_attempts: int = Field(3, description="attempts per sample before it is failed")
+    cancel_batch: int = Field(
+        10_000,
+        ge=1,
+        description="a cancelled job's queued samples are cancelled in the background, this many per "
+        "transaction, so that no cancel holds the database for long whatever the job's size",
+    )
     dump_wait_s: float = Field(
         30.0, description="how long to wait for a dump's `done` marker after the model server replied"
     )

@@ -1,4 +1,5 @@
-"""The FastAPI application, with the dump-root writer in the background and the dashboard."""
+"""The FastAPI application, with the dump-root writer and the completion of cancels in the background,
+and the dashboard."""
 
 from __future__ import annotations
 
@@ -11,20 +12,25 @@ from hsx.config import Settings, parse_tokens
 from hsx.db.engine import make_engine, session_factory
 from hsx.extraction import Writer
 from hsx.service.backend_info import BackendInfo
+from hsx.service.cancelling import CancelSweeper
 
 
 def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     """Build the app on a database migrated to the newest schema (`hsx serve` migrates it first).
     `writer`, when given, is already acquired and is started with the app."""
     engine = make_engine(settings.database_url)
+    sessions = session_factory(engine)
+    cancels = CancelSweeper(sessions, settings.output_root, settings.cancel_batch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        cancels.start()
         if writer is not None:
             writer.start_thread()
         yield
         if writer is not None:
             writer.stop()
+        cancels.stop()
         engine.dispose()
 
     app = FastAPI(
@@ -37,9 +43,10 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     )
     # What the routes depend on (hsx.api.deps reads it).
     app.state.settings = settings
-    app.state.sessions = session_factory(engine)
+    app.state.sessions = sessions
     app.state.read_sessions = session_factory(engine, readonly=True)
     app.state.writer = writer
+    app.state.cancels = cancels
     app.state.backend = BackendInfo(settings.backend_url)
     app.state.large_bodies = LargeBodies(settings.max_large_bodies, settings.large_body_bytes)
     problems.install(app)

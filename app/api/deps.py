@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 from hsx.config import Settings
 from hsx.extraction import Writer
 from hsx.service.backend_info import BackendInfo
+from hsx.service.cancelling import CancelSweeper
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -42,6 +43,11 @@ def get_writer(request: Request) -> Writer | None:
     return request.app.state.writer
 
 
+def get_cancels(request: Request) -> CancelSweeper:
+    """This process's sweeper, which completes cancels in the background."""
+    return request.app.state.cancels
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 # A session per request; the factories, for work that outlives one (streams, threads).
 SessionDep = Annotated[Session, Depends(get_session)]
@@ -50,3 +56,4 @@ SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
 ReadSessionsDep = Annotated[sessionmaker[Session], Depends(get_read_sessions)]
 BackendDep = Annotated[BackendInfo, Depends(get_backend)]
 WriterDep = Annotated[Writer | None, Depends(get_writer)]
+CancelsDep = Annotated[CancelSweeper, Depends(get_cancels)]

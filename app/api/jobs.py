@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from hsx.api.bodies import job_body
 from hsx.api.deps import (
     BackendDep,
+    CancelsDep,
     ReadSessionDep,
     ReadSessionsDep,
     SessionDep,
@@ -368,10 +369,17 @@ def get_shard(job_id: JobId, name: ShardName, session: ReadSessionDep, settings:
     "/{job_id}/cancel",
     response_model=JobOut,
     responses=_problems(404, 409),
-    summary="Cancel: queued samples are cancelled; the one in flight finishes and is stored",
+    summary="Cancel: queued samples are cancelled; those in flight finish and are stored",
+    description="Answers at once with the job `cancelling`, whatever its size: from then on none of its samples "
+    "is started, its queued samples are cancelled in the background (in batches of `--cancel-batch`), and the "
+    "samples already running or staged finish and are stored. The job becomes `cancelled`, its manifest "
+    "written, once none is queued, running or staged. Cancelling a job that is already `cancelling` returns "
+    "it unchanged; a finished job is a 409.",
 )
-def cancel_job(job_id: JobId, session: SessionDep, settings: SettingsDep) -> JobOut:
-    return job_out(service.cancel_job(session=session, job_id=job_id, output_root=settings.output_root))
+def cancel_job(job_id: JobId, session: SessionDep, cancels: CancelsDep) -> JobOut:
+    job = job_out(service.cancel_job(session=session, job_id=job_id))
+    cancels.wake()
+    return job
 
 
 @router.post(
@@ -379,6 +387,7 @@ def cancel_job(job_id: JobId, session: SessionDep, settings: SettingsDep) -> Job
     response_model=JobOut,
     responses=_problems(404, 409),
     summary="Queue the job's failed samples again, with a fresh attempt budget",
+    description="A 409 when the job has no failed samples, or is `cancelling` or `cancelled`.",
 )
 def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
     job = service.retry_job(session=session, job_id=job_id)
@@ -392,6 +401,8 @@ def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
     response_class=Response,
     responses=_problems(404, 409),
     summary="Delete a finished job's records, and with delete_files=true its shards and manifest",
+    description="Only a finished (`succeeded`, `failed` or `cancelled`) job: a 409 while it is `queued`, "
+    "`running` or `cancelling`.",
 )
 def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:
     service.delete_job(session=session, job_id=job_id, output_root=settings.output_root, delete_files=delete_files)

@@ -144,12 +144,17 @@ class JobOut(BaseModel):
     waiting_reason: str | None = Field(None, description="why an active job makes no progress right now")
     created_at: datetime
     started_at: datetime | None = Field(description="when its first sample was claimed")
-    cancel_requested_at: datetime | None
+    cancel_requested_at: datetime | None = Field(
+        description="when it was cancelled: it stays `cancelling` while its queued samples are cancelled in the "
+        "background and those in flight are stored"
+    )
     finished_at: datetime | None = Field(description="when it reached succeeded, failed or cancelled")
     counts: Counts
     tokens: Tokens
     rate_tokens_per_s: float | None
-    eta_s: float | None
+    eta_s: float | None = Field(
+        description="seconds left at the present rate; null before any rate, and while cancelling"
+    )
     shards_written: int
     estimated_bytes: int | None = Field(
         description="bytes its shards will take; null when the server's shape was unknown at creation"

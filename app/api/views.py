@@ -31,7 +31,10 @@ def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
         extracted = job.tokens_done + job.tokens_staged
         if elapsed > 0 and extracted:
             rate = extracted / elapsed
-            eta = 0.0 if job.finished_at else (job.tokens_total - extracted) / rate
+            if job.finished_at:
+                eta = 0.0
+            elif job.state != JobState.CANCELLING:  # what is left of a cancelled job is not extracted
+                eta = (job.tokens_total - extracted) / rate
     # Only a job with samples left to extract can be kept waiting by the writer.
     extracting = job.state in (JobState.QUEUED, JobState.RUNNING) and (job.n_queued or job.n_running)
     return JobOut(

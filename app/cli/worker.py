@@ -1,7 +1,9 @@
 """`hsx worker`: the writer for one dump root without the HTTP API, for a node beside its model server.
 
 Several workers (and `hsx serve --no-writer` for the API) share one Postgres queue; each holds a
-lease (--lease-s) and the work of one that stops renewing it goes back to the queue."""
+lease (--lease-s) and the work of one that stops renewing it goes back to the queue. Each also
+completes cancels (hsx.service.cancelling), so that a job cancelled through an API that has stopped
+since still ends."""
 
 from __future__ import annotations
 
@@ -45,11 +47,19 @@ def main(args: argparse.Namespace) -> int:
     writer = serve.acquired_writer(settings, "hsx worker")
     if writer is None:
         return 2
+    from hsx.db.engine import make_engine, session_factory
+    from hsx.service.cancelling import CancelSweeper
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    engine = make_engine(settings.database_url)
+    cancels = CancelSweeper(session_factory(engine), settings.output_root, settings.cancel_batch)
+    cancels.start()
     writer.start_thread()
     logging.getLogger("hsx.writer").info("worker %s running against %s", writer.identity, settings.backend_url)
     stop.wait()
     writer.stop()
+    cancels.stop()
+    engine.dispose()
     return 0

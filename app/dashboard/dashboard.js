@@ -433,7 +433,7 @@ function jobPage(id) {
             "data-focus": "cancel",
             onclick: () => {
               if (confirm("Cancel this job? Queued samples are cancelled; those in flight are stored."))
-                act("cancel", "Job cancelled.");
+                act("cancel", "Job cancelling: queued samples are being cancelled.");
             },
           },
           "Cancel job",

@@ -195,21 +195,52 @@ def list_jobs(session: Session, *, state: str | None, after: str | None, limit: 
 
 
 def _lock_job(session: Session, job_id: str) -> JobRow | None:
-    """Read the job row for update: cancel, retry and sample outcomes on one job serialise here."""
-    return session.execute(select(JobRow).where(JobRow.id == job_id).with_for_update()).scalar_one_or_none()
+    """Read the job row for update: cancel, retry and sample outcomes on one job serialise here. The
+    row as locked, not as this session may have read it before the lock."""
+    return session.execute(
+        select(JobRow).where(JobRow.id == job_id).with_for_update().execution_options(populate_existing=True)
+    ).scalar_one_or_none()
 
 
 def cancel_job(session: Session, job_id: str) -> JobRow | None:
-    """Queued samples are cancelled now; running or staged ones finish and are stored.
-    Returns None when the job is already finished (nothing to cancel)."""
+    """Mark the job cancelling: no sample of it is claimed from now on, and its queued samples are
+    cancelled afterwards, batch by batch (cancel_queued), so that the request answers at once
+    whatever the job's size; running or staged ones finish and are stored. Returns None when the
+    job is not queued or running (finished, or already cancelling)."""
     job = _lock_job(session, job_id)
     if job is None or job.state not in (JobState.QUEUED, JobState.RUNNING):
         return None
     job.state, job.cancel_requested_at = JobState.CANCELLING, utcnow()
     session.flush()
-    _transition(session, job_id, ALL, SampleState.QUEUED, SampleState.CANCELLED, {"writer": None})
-    session.refresh(job)
     return job
+
+
+def cancelling_jobs(session: Session) -> list[str]:
+    """The jobs being cancelled, oldest first: those whose queued samples or end are still due."""
+    return list(
+        session.execute(select(JobRow.id).where(JobRow.state == JobState.CANCELLING).order_by(JobRow.id)).scalars()
+    )
+
+
+def cancel_queued(session: Session, job_id: str, limit: int) -> int:
+    """Cancel up to `limit` queued samples of a cancelling job (the first in input order); returns how
+    many. Each call cancels what is still queued under the job-row lock, so calls from several
+    processes at once only take turns, and one repeated after a crash does no harm."""
+    job = _lock_job(session, job_id)
+    if job is None or job.state != JobState.CANCELLING or not job.n_queued:
+        return 0
+    # The index on (job_id, state, idx) finds the batch's last sample without reading the rows;
+    # fewer than `limit` left: all of them.
+    last = session.execute(
+        select(SampleRow.idx)
+        .where(SampleRow.job_id == job_id, SampleRow.state == SampleState.QUEUED)
+        .order_by(SampleRow.idx)
+        .offset(max(limit, 1) - 1)
+        .limit(1)
+    ).scalar()
+    return _transition(
+        session, job_id, ALL, SampleState.QUEUED, SampleState.CANCELLED, {"writer": None}, through_idx=last
+    )
 
 
 def retry_failed(session: Session, job_id: str) -> int | None:
@@ -315,10 +346,17 @@ ALL = None  # _transition's `pks` for "every sample of the job in that state"
 
 
 def _transition(
-    session: Session, job_id: str, pks: list[int] | None, src: SampleState, dst: SampleState, values: dict
+    session: Session,
+    job_id: str,
+    pks: list[int] | None,
+    src: SampleState,
+    dst: SampleState,
+    values: dict,
+    *,
+    through_idx: int | None = None,
 ) -> int:
-    """Move the samples (`pks`, or ALL of the job's) that are still in `src` to `dst`; keep the
-    job's counters in step.
+    """Move the samples (`pks`, or ALL of the job's, only those up to `through_idx` when given) that
+    are still in `src` to `dst`; keep the job's counters in step.
 
     Lock order: the job row first, then sample rows, here and in claim_next, so that no two
     transitions on one job can deadlock and none can change a state's membership behind another.
@@ -330,17 +368,15 @@ def _transition(
     session.execute(select(JobRow.id).where(JobRow.id == job_id).with_for_update())
     stamp = {"state": dst, "updated_at": utcnow(), **values}
     if pks is ALL:
+        which = [SampleRow.job_id == job_id, SampleRow.state == src]
+        if through_idx is not None:
+            which.append(SampleRow.idx <= through_idx)
         rc, tokens = session.execute(
-            select(func.count(), func.coalesce(func.sum(SampleRow.num_tokens), 0)).where(
-                SampleRow.job_id == job_id, SampleRow.state == src
-            )
+            select(func.count(), func.coalesce(func.sum(SampleRow.num_tokens), 0)).where(*which)
         ).one()
         if rc:
             result = session.execute(
-                update(SampleRow)
-                .where(SampleRow.job_id == job_id, SampleRow.state == src)
-                .values(stamp)
-                .execution_options(synchronize_session=False)
+                update(SampleRow).where(*which).values(stamp).execution_options(synchronize_session=False)
             )
             if _rowcount(result) != rc:
                 raise RuntimeError(f"job {job_id}: {_rowcount(result)} samples left {src}, {rc} were counted")

@@ -122,6 +122,9 @@ class AsyncHsxClient:
             after = page.next_after
 
     async def cancel(self, job: JobRef) -> Job:
+        """Cancel the job; returns at once with the job `cancelling` (its queued samples are cancelled
+        in the background, those in flight are stored): `wait(job)` follows it until it is `cancelled`.
+        A job already cancelling is returned as it is; a finished one raises Conflict."""
         return await self._send(Calls.cancel(job))
 
     async def retry(self, job: JobRef) -> Job:

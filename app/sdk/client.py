@@ -127,6 +127,9 @@ class HsxClient:
             after = page.next_after
 
     def cancel(self, job: JobRef) -> Job:
+        """Cancel the job; returns at once with the job `cancelling` (its queued samples are cancelled
+        in the background, those in flight are stored): `wait(job)` follows it until it is `cancelled`.
+        A job already cancelling is returned as it is; a finished one raises Conflict."""
         return self._send(Calls.cancel(job))
 
     def retry(self, job: JobRef) -> Job:

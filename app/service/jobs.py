@@ -14,7 +14,6 @@ from anyio.to_thread import run_sync
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow, ShardRow
-from hsx.extraction.finishing import finish_job
 from hsx.manifest import MANIFEST_NAME, Manifest, build_manifest, job_dir
 from hsx.names import shown
 from hsx.service import intake, json_body
@@ -27,6 +26,7 @@ from hsx.service.errors import (
     ShardsMissing,
 )
 from hsx.service.lines import LineTooLongError
+from hsx.states import JobState
 from hsx.verify import verify_job as verify_folder
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -189,17 +189,19 @@ def _store(
         return _replayed(existing, request_sha256)
 
 
-def cancel_job(*, session: Session, job_id: str, output_root: Path) -> JobRow:
-    """Cancel its queued samples; with nothing in flight it ends now, its manifest written."""
+def cancel_job(*, session: Session, job_id: str) -> JobRow:
+    """Mark the job cancelling, at once whatever its size: its queued samples are cancelled in the
+    background (hsx.service.cancelling), which ends the job once none of its samples is in flight.
+    A job already cancelling is returned as it is; a finished one cannot be cancelled."""
     with session.begin():
-        job = get_job(session=session, job_id=job_id)
+        get_job(session=session, job_id=job_id)
         cancelled = repo.cancel_job(session, job_id)
-        if cancelled is None:
+        if cancelled is not None:
+            return cancelled
+        job = get_job(session=session, job_id=job_id)  # as the lock found it
+        if job.state != JobState.CANCELLING:
             raise InvalidTransition(f"job is {job.state}; only queued or running jobs can be cancelled")
-        # Else the writer ends it once its in-flight sample is stored.
-        finish_job(session, job_id, output_root)
-        session.refresh(cancelled)
-        return cancelled
+        return job
 
 
 def retry_job(*, session: Session, job_id: str) -> JobRow:
@@ -207,7 +209,8 @@ def retry_job(*, session: Session, job_id: str) -> JobRow:
     with session.begin():
         job = get_job(session=session, job_id=job_id)
         if repo.retry_failed(session, job_id) is None:
-            why = "it has no failed samples" if job.n_failed == 0 else f"it is {job.state}"
+            cancelled = job.state in (JobState.CANCELLING, JobState.CANCELLED)
+            why = f"it is {job.state}" if cancelled or job.n_failed else "it has no failed samples"
             raise InvalidTransition(f"job cannot be retried: {why}")
         session.refresh(job)
         return job
@@ -218,7 +221,8 @@ def delete_job(*, session: Session, job_id: str, output_root: Path, delete_files
     with session.begin():
         job = get_job(session=session, job_id=job_id)
         if not repo.delete_job(session, job_id):
-            raise InvalidTransition(f"job is {job.state}; cancel it or let it finish first")
+            how = "wait until it is cancelled" if job.state == JobState.CANCELLING else "cancel it or let it finish"
+            raise InvalidTransition(f"job is {job.state}; {how} first")
     if delete_files:
         shutil.rmtree(job_dir(output_root, job_id), ignore_errors=True)
 

@@ -10,6 +10,8 @@ from datetime import datetime
 import httpx
 import pytest
 import torch
+from hsx.db import repository as repo
+from hsx.db.engine import make_engine, session_factory
 from hsx.manifest import load_manifest, read_sample
 from hsx.sdk import HsxClient
 from safetensors import safe_open
@@ -17,6 +19,7 @@ from safetensors.torch import load
 
 from tests.support.api import problem
 from tests.support.no_torch import block_torch, pythonpath_with, refused_imports, started_in
+from tests.support.procs import Process, hsx_command
 from tests.support.samples import assert_stored_exactly, make_samples
 from tests.support.stack import VOCAB, start_reference, start_service
 
@@ -62,7 +65,7 @@ def test_cancel_stores_what_was_in_flight_and_nothing_half(stack, recompute):
         time.sleep(0.05)
     resp = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel")
     assert resp.status_code == 200, resp.text
-    assert resp.json()["state"] in ("cancelling", "cancelled") and resp.json()["cancel_requested_at"]
+    assert resp.json()["state"] == "cancelling" and resp.json()["cancel_requested_at"]
     final = svc.wait_job(job["id"])
     c = final["counts"]
     assert final["state"] == "cancelled" and final["finished_at"]
@@ -76,6 +79,84 @@ def test_cancel_stores_what_was_in_flight_and_nothing_half(stack, recompute):
         assert torch.equal(got["layer_8"], recompute(s["input_ids"])[8])
     again = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel")
     assert again.status_code == 409 and again.headers["content-type"].startswith("application/problem+json")
+
+
+def _db(database_url: str):
+    engine = make_engine(database_url)
+    return engine, session_factory(engine)
+
+
+def test_cancel_answers_at_once_and_the_api_alone_completes_it(tmp_path, database_url):
+    """The API alone (--no-writer): the cancel answers with the job cancelling and every queued sample
+    still queued; its background batches cancel them, nothing of the job is claimed meanwhile, and
+    the job ends cancelled once the sample a writer was extracting has ended too."""
+    svc = start_service(tmp_path, database_url, extra=["--no-writer", "--cancel-batch", "7"])
+    engine, sessions = _db(database_url)
+    try:
+        job = svc.post_job({"samples": make_samples(50, seed=70)}).json()
+        with sessions.begin() as s:  # a writer elsewhere is extracting the first sample
+            in_flight = repo.claim_next(s, "elsewhere:/dumps")
+        resp = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel")
+        assert resp.status_code == 200, resp.text
+        first = resp.json()
+        assert first["state"] == "cancelling" and first["cancel_requested_at"] and first["finished_at"] is None
+        assert (first["counts"]["queued"], first["counts"]["running"], first["counts"]["cancelled"]) == (49, 1, 0)
+        again = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel")
+        assert again.status_code == 200 and again.json()["state"] == "cancelling"
+        assert again.json()["cancel_requested_at"] == first["cancel_requested_at"]
+        problem(svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/retry"), 409)
+        assert "cancelling" in problem(svc.client.delete(f"{svc.url}/v1/jobs/{job['id']}"), 409)["detail"]
+
+        deadline = time.monotonic() + 60
+        while svc.get(f"/v1/jobs/{job['id']}").json()["counts"]["queued"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        drained = svc.get(f"/v1/jobs/{job['id']}").json()
+        assert drained["state"] == "cancelling", "a sample is still running: the job is not finished"
+        assert (drained["counts"]["queued"], drained["counts"]["cancelled"]) == (0, 49)
+        with sessions.begin() as s:
+            assert repo.claim_next(s, "another:/dumps") is None
+            repo.release_interrupted(s, in_flight, reason="model server restarted")  # cancelled: its job is
+        final = svc.wait_job(job["id"], timeout=60)
+        assert final["state"] == "cancelled" and final["finished_at"]
+        assert final["counts"]["cancelled"] == 50 and final["tokens"]["total"] == job["tokens"]["total"]
+        assert (svc.output_root / job["id"] / "manifest.json").exists()
+        problem(svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel"), 409)
+        assert svc.client.delete(f"{svc.url}/v1/jobs/{job['id']}").status_code == 204
+    finally:
+        svc.stop()
+        engine.dispose()
+
+
+def test_a_cancel_the_stopped_api_left_half_done_is_completed_by_a_worker(tmp_path, database_url):
+    """The API that took the cancel died after one batch; only a worker runs against the database
+    afterwards (its model server not even up): the worker completes the cancel at its start."""
+    svc = start_service(tmp_path, database_url, extra=["--no-writer"])
+    job = svc.post_job({"samples": make_samples(40, seed=71)}).json()
+    svc.stop()
+    engine, sessions = _db(database_url)
+    with sessions.begin() as s:
+        repo.cancel_job(s, job["id"])
+    with sessions.begin() as s:
+        assert repo.cancel_queued(s, job["id"], 10) == 10
+    worker = Process(
+        hsx_command()
+        + ["worker", "--database-url", database_url, "--output-root", str(svc.output_root)]
+        + ["--dump-root", str(tmp_path / "dumps"), "--backend-url", "http://127.0.0.1:9", "--cancel-batch", "7"],
+        tmp_path / "worker.log",
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with sessions() as s:
+                found = repo.get_job(s, job["id"])
+            if found.state == "cancelled":
+                break
+            time.sleep(0.1)
+        assert (found.state, found.n_queued, found.n_cancelled) == ("cancelled", 0, 40), worker.log()
+        assert (svc.output_root / job["id"] / "manifest.json").exists()
+    finally:
+        worker.stop()
+        engine.dispose()
 
 
 def test_retry_and_delete(stack):

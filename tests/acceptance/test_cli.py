@@ -328,13 +328,21 @@ def test_failed_retry_cancel_delete(run, stack, tmp_path):
     assert code == 0 and json.loads(out)["manifest"] is None and "run this again once it has finished" in err
     assert not (tmp_path / "early" / "manifest.json").exists()
     code, out, _ = run("cancel", busy, "--json")
-    assert code == 0 and json.loads(out)["state"] in ("cancelling", "cancelled")
+    assert code == 0 and json.loads(out)["state"] == "cancelling"
     code, out, _ = run("status", busy, "--watch", "--json")
     assert code == 1 and json.loads(out.splitlines()[-1])["state"] == "cancelled"
     code, out, _ = run("delete", busy, "--files", "--json")
     assert code == 0 and json.loads(out) == {"deleted": busy, "files": True}
     assert not (stack.output_root / busy).exists()
     assert run("status", busy)[0] == 2
+
+    code, out, _ = run("submit", big, "--json")
+    other = json.loads(out)["id"]
+    code, out, _ = run("cancel", other, "--wait", "--interval", "0.2")
+    lines = out.splitlines()
+    assert code == 0 and lines[0] == f"{other} cancelling" and lines[-1] == f"{other} cancelled", out
+    code, _, err = run("cancel", other)
+    assert code == 2 and "Conflict" in err
 
 
 class Terminal(io.StringIO):

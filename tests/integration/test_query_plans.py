@@ -52,6 +52,9 @@ def test_hot_queries_use_indexes(postgres_url):
         repo.finish_job_if_done(s, other.id)
         next(repo.iter_stored_samples(s, job.id, batch=1000), None)
         build_manifest(s, repo.get_job(s, other.id))
+        repo.cancel_job(s, job.id)
+        repo.cancelling_jobs(s)
+        assert repo.cancel_queued(s, job.id, 1000) == 1000
         s.rollback()
     event.remove(engine, "before_cursor_execute", record)
     assert len(statements) >= 10

@@ -12,7 +12,9 @@ import pytest
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.db.models import SampleRow, ThroughputRow
-from sqlalchemy import event, select, update
+from hsx.extraction.output_root import shared_output_root
+from hsx.service.cancelling import CancelSweeper
+from sqlalchemy import event, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 
@@ -141,8 +143,8 @@ def test_recovery_requeues_running_and_lost_staged(sessions, tmp_path):
 
 @pytest.mark.postgres
 def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
-    """Claims (several writers) racing cancel and fail_job: every path takes the job row before
-    sample rows, so Postgres never aborts one of them as a deadlock, and every job ends."""
+    """Claims (several writers) racing cancel's batches and fail_job: every path takes the job row
+    before sample rows, so Postgres never aborts one of them as a deadlock, and every job ends."""
     engine = make_engine(postgres_url)
     upgrade(engine)
     sessions = session_factory(engine)
@@ -170,10 +172,15 @@ def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
                 job_id = repo.create_job(s, name=None, layers=None, samples=new_samples(30)).id
             jobs.append(job_id)
             threading.Event().wait(0.002 * (round_ % 5))
-            with sessions.begin() as s:
-                if round_ % 2:
+            if round_ % 2:
+                with sessions.begin() as s:
                     repo.cancel_job(s, job_id)
-                else:
+                while True:
+                    with sessions.begin() as s:
+                        if repo.cancel_queued(s, job_id, 7) < 7:
+                            break
+            else:
+                with sessions.begin() as s:
                     repo.fail_job(s, job_id, "refused")
     finally:
         stop.set()
@@ -187,9 +194,10 @@ def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
     engine.dispose()
 
 
-def test_cancel_retry_and_fail_move_a_large_job_in_one_statement(sessions):
-    """Cancel, fail and retry never send a list of keys: no statement carries more than a few
-    parameters, so no job is too large for SQLite's 32,766 bound parameters. The counters follow exactly."""
+def test_cancel_retry_and_fail_move_a_large_job_without_lists_of_keys(sessions):
+    """Cancel's batches, fail and retry never send a list of keys: no statement carries more than a
+    few parameters, so no job or batch is too large for SQLite's 32,766 bound parameters. The
+    counters follow exactly."""
     n = 3_000
     ids = np.arange(1, 4, dtype="<i4").tobytes()
     with sessions.begin() as s:
@@ -211,6 +219,8 @@ def test_cancel_retry_and_fail_move_a_large_job_in_one_statement(sessions):
         assert claimed.job_id == cancelled
         repo.cancel_job(s, cancelled)
         repo.fail_job(s, other, "refused")
+    with sessions.begin() as s:
+        assert repo.cancel_queued(s, cancelled, n) == n - 1
     event.remove(engine, "before_cursor_execute", record)
     assert sizes and max(sizes) < 50, max(sizes)
     with sessions() as s:
@@ -224,6 +234,122 @@ def test_cancel_retry_and_fail_move_a_large_job_in_one_statement(sessions):
         job = repo.get_job(s, other)
         assert (job.n_queued, job.n_failed) == (n, 0)
         assert repo.list_samples(s, other, state="queued", after_idx=n - 2, limit=5)[0].attempts == 0
+
+
+def _job_state(sessions, job_id: str) -> tuple:
+    with sessions() as s:
+        j = repo.get_job(s, job_id)
+        return j.state, j.n_queued, j.n_running, j.n_cancelled, j.tokens_total, j.tokens_done
+
+
+def test_cancel_marks_the_job_and_its_queued_samples_follow_in_batches(sessions, tmp_path):
+    """The cancel itself moves no sample; each batch cancels the next queued samples in input order with
+    the counters in step. Nothing of a cancelling job is claimed, nor is the job finished while any of
+    its samples is queued; a sweeper started afresh (after a crash half-way) completes the cancel."""
+    samples = new_samples(25)
+    with sessions.begin() as s:
+        shared_output_root(s, tmp_path, mark=True)
+        job_id = repo.create_job(s, name=None, layers=None, samples=samples).id
+    with sessions.begin() as s:
+        in_flight = repo.claim_next(s, "host:/dump/a")
+    tokens = sum(x.num_tokens for x in samples)
+    with sessions.begin() as s:
+        job = repo.cancel_job(s, job_id)
+        assert job is not None and job.cancel_requested_at is not None
+    assert _job_state(sessions, job_id) == ("cancelling", 24, 1, 0, tokens, 0)
+    with sessions.begin() as s:
+        assert repo.cancel_job(s, job_id) is None, "a job already cancelling is not cancelled again"
+        assert repo.retry_failed(s, job_id) is None
+        assert repo.delete_job(s, job_id) is False
+    with sessions.begin() as s:
+        later = repo.create_job(s, name=None, layers=None, samples=new_samples(2)).id
+    with sessions.begin() as s:
+        assert repo.cancel_queued(s, job_id, 10) == 10
+        assert repo.claim_next(s, "host:/dump/b").job_id == later, "the cancelling job's samples are passed over"
+        assert repo.claim_next(s, "host:/dump/c").job_id == later
+        assert repo.claim_next(s, "host:/dump/d") is None
+        assert not repo.finish_job_if_done(s, job_id)
+    assert _job_state(sessions, job_id) == ("cancelling", 14, 1, 10, tokens, 0)
+    with sessions() as s:
+        cancelled = repo.list_samples(s, job_id, state="cancelled", after_idx=None, limit=100)
+        assert [x.idx for x in cancelled] == list(range(1, 11))
+    # The sample in flight ends (here: given back while the job is cancelling, so it is cancelled too).
+    with sessions.begin() as s:
+        repo.release_interrupted(s, in_flight, reason="server restarted")
+    assert _job_state(sessions, job_id) == ("cancelling", 14, 0, 11, tokens, 0)
+
+    # The process that took the cancel is gone; another's sweeper finds the job and completes it.
+    sweeper = CancelSweeper(sessions, tmp_path, batch=4)
+    assert sweeper.sweep() == [job_id]
+    state, queued, running, n_cancelled, total, done = _job_state(sessions, job_id)
+    assert (state, queued, running, n_cancelled, total, done) == ("cancelled", 0, 0, 25, tokens, 0)
+    with sessions() as s:
+        assert repo.get_job(s, job_id).finished_at is not None
+        assert repo.list_samples(s, job_id, state="queued", after_idx=None, limit=1) == []
+    assert (tmp_path / job_id / "manifest.json").exists()
+    assert sweeper.sweep() == [], "nothing is left to do"
+
+
+def test_a_cancelling_job_with_samples_in_flight_ends_when_they_are_stored(sessions, tmp_path):
+    """Once its queued samples are cancelled, a job whose sample is still running stays cancelling; the
+    sample finishes and is stored, and the job ends cancelled with it."""
+    with sessions.begin() as s:
+        shared_output_root(s, tmp_path, mark=True)
+        job_id = repo.create_job(s, name=None, layers=None, samples=new_samples(5)).id
+    with sessions.begin() as s:
+        c = repo.claim_next(s, "host:/dump/a")
+        repo.cancel_job(s, job_id)
+    sweeper = CancelSweeper(sessions, tmp_path, batch=2)
+    assert sweeper.sweep() == []
+    assert _job_state(sessions, job_id)[:4] == ("cancelling", 0, 1, 4)
+    with sessions.begin() as s:
+        repo.mark_staged(
+            s, c, writer="host:/dump/a", staged_path="x", observed_tokens=c.num_tokens, dump_key=None, boot_id=None
+        )
+        repo.commit_shard(
+            s,
+            job_id,
+            name="shard-00000.safetensors",
+            nbytes=1,
+            sha256="0" * 64,
+            placed=[(c.sample_pk, 0, c.num_tokens)],
+        )
+    assert sweeper.sweep() == [job_id]
+    with sessions() as s:
+        job = repo.get_job(s, job_id)
+        assert (job.state, job.n_succeeded, job.n_cancelled, job.tokens_done) == ("cancelled", 1, 4, c.num_tokens)
+
+
+def test_sweepers_of_several_processes_share_one_cancel(sessions, tmp_path):
+    """Sweepers draining the same job at once take turns on its row: every queued sample is cancelled
+    exactly once and the counters add up."""
+    n = 600
+    with sessions.begin() as s:
+        shared_output_root(s, tmp_path, mark=True)
+        job_id = repo.create_job(s, name=None, layers=None, samples=new_samples(n)).id
+        repo.cancel_job(s, job_id)
+    sweepers = [CancelSweeper(sessions, tmp_path, batch=25) for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def drain(sweeper: CancelSweeper) -> None:
+        try:
+            sweeper.drain(job_id)
+        except BaseException as exc:  # noqa: BLE001 - any failure is the one under test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drain, args=(sw,)) for sw in sweepers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    with sessions() as s:
+        job = repo.get_job(s, job_id)
+        assert (job.state, job.n_queued, job.n_cancelled) == ("cancelled", 0, n)
+        assert (
+            s.execute(select(func.count()).where(SampleRow.job_id == job_id, SampleRow.state == "cancelled")).scalar()
+            == n
+        )
 
 
 def test_throughput_is_counted_per_window_and_read_back_in_equal_windows(sessions):

@@ -116,7 +116,7 @@ def duration(seconds: float | None) -> str:
 
 
 def progress_line(job: Job, width: int = 30) -> str:
-    """One line: bar, state, samples and tokens extracted, rate, ETA, failures."""
+    """One line: bar, state, samples and tokens extracted, rate, ETA, failures (and cancelled samples)."""
     c, t = job.counts, job.tokens
     extracted = t.done + t.staged
     filled = min(width, int(width * extracted / max(t.total, 1)))
@@ -124,7 +124,7 @@ def progress_line(job: Job, width: int = 30) -> str:
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] {job.state:<9} "
         f"{c.succeeded + c.staged}/{c.total} samples  {extracted}/{t.total} tokens  {rate}  "
-        f"ETA {duration(job.eta_s)}  failed {c.failed}"
+        f"ETA {duration(job.eta_s)}  failed {c.failed}" + (f"  cancelled {c.cancelled}" if c.cancelled else "")
     )
 
 
