@@ -168,7 +168,8 @@ def test_retry_and_delete(stack):
         job = svc.wait_job(svc.post_job({"samples": make_samples(2, seed=12)}).json()["id"])
         assert job["state"] == "failed" and job["counts"]["failed"] == 2
         failed = svc.get(f"/v1/jobs/{job['id']}/samples", params={"state": "failed"}).json()["data"]
-        assert len(failed) == 2 and all("num_tokens" in s["last_error"] for s in failed), [s["last_error"] for s in failed]
+        reasons = [s["last_error"] for s in failed]
+        assert len(reasons) == 2 and all("num_tokens" in r for r in reasons), reasons
         resp = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/retry")
         assert resp.status_code == 200 and resp.json()["counts"]["queued"] + resp.json()["counts"]["running"] >= 1
         job = svc.wait_job(job["id"])

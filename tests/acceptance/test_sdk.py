@@ -44,14 +44,20 @@ WRITE, READ = "sdk-writer", "sdk-reader"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, checkpoint):
+def servers(tmp_path_factory, checkpoint):
     svc, ref = start_stack(
         tmp_path_factory.mktemp("sdk"),
         checkpoint,
         ["--shard-max-bytes", "60000", "--max-json-bytes", "200000", "--api-tokens", f"{WRITE},{READ}:read"],
+        reference_extra=["--enable-fault-injection"],
     )
-    yield svc
+    yield svc, ref
     stop_stack(svc, ref)
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +221,8 @@ def test_submit_jsonl_streams_and_idempotency(stack, hsx, tmp_path):
     assert hsx.wait(job, timeout=120).state == "succeeded"
 
 
-def test_wait_timeout_events_cancel_retry_delete(stack, hsx):
+def test_wait_timeout_events_cancel_retry_delete(servers, hsx):
+    stack, ref = servers
     big = hsx.create_job(make_samples(30, seed=43, lo=60, hi=120))
     with pytest.raises(TimeoutError):
         hsx.wait(big, timeout=0.3, poll_s=0.1)
@@ -229,14 +236,20 @@ def test_wait_timeout_events_cancel_retry_delete(stack, hsx):
     with pytest.raises(Conflict):
         hsx.cancel(big)
 
-    wrong = hsx.create_job(make_samples(2, seed=45), layers=[1, 2])  # the server captures [2, 4, 5, 8]
-    failed = hsx.wait(wrong, timeout=120, poll_s=0.1)
-    assert failed.state == "failed" and failed.counts.failed == 2
-    reasons = [s.last_error for s in hsx.iter_samples(failed, state="failed")]
-    assert len(reasons) == 2 and all("layers" in r for r in reasons)
-    again = hsx.retry(failed)
-    assert again.state in ("queued", "running", "failed")
-    assert hsx.wait(again, timeout=120, poll_s=0.1).state == "failed"
+    # Every dump comes out a token short: the samples fail with the reason, and fail again on a retry.
+    faults = f"{ref.url}/admin/faults"
+    httpx.post(faults, json={"bad_dumps": {"probability": 1.0, "kind": "wrong_num_tokens"}}).raise_for_status()
+    try:
+        failed = hsx.wait(hsx.create_job(make_samples(2, seed=45)), timeout=120, poll_s=0.1)
+        assert failed.state == "failed" and failed.counts.failed == 2
+        reasons = [s.last_error for s in hsx.iter_samples(failed, state="failed")]
+        assert len(reasons) == 2 and all("num_tokens" in r for r in reasons), reasons
+        again = hsx.retry(failed)
+        assert again.state in ("queued", "running", "failed")
+        assert hsx.wait(again, timeout=120, poll_s=0.1).state == "failed"
+    finally:
+        httpx.delete(faults).raise_for_status()
+    assert hsx.wait(hsx.retry(failed), timeout=120, poll_s=0.1).state == "succeeded"
 
     ok = hsx.wait(hsx.create_job(make_samples(1, seed=46)), timeout=120, poll_s=0.1)
     assert (stack.output_root / ok.id / "manifest.json").exists()
