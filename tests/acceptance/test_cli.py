@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from hsx import cli
 from hsx.cli import serve
@@ -132,17 +133,23 @@ def test_serve_refuses_doubtful_tokens(tmp_path, spec, words, via):
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, checkpoint):
+def servers(tmp_path_factory, checkpoint):
     svc, ref = start_stack(
         tmp_path_factory.mktemp("cli"),
         checkpoint,
         ["--shard-max-bytes", "40000", "--api-tokens", f"{WRITE},{READ}:read"],
+        reference_extra=["--enable-fault-injection"],
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HSX_URL", svc.url)
         mp.setenv("HSX_TOKEN", WRITE)
-        yield svc
+        yield svc, ref
     stop_stack(svc, ref)
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    return servers[0]
 
 
 @pytest.fixture
@@ -305,19 +312,27 @@ def test_errors_go_to_stderr_with_exit_codes(run, finished, tmp_path, monkeypatc
     assert proc.returncode == 0 and len(json.loads(proc.stdout)) == 1
 
 
-def test_failed_retry_cancel_delete(run, stack, tmp_path):
+def test_failed_retry_cancel_delete(run, servers, tmp_path):
+    stack, ref = servers
     jsonl(stack.input_root / "wrong.jsonl", make_samples(2, seed=53))
-    code, out, err = run("submit", "--input-path", "wrong.jsonl", "--layers", "1,2", "--wait", "--interval", "0.2")
-    assert code == 1 and "failed" in err and "hsx samples" in err  # the job failed: exit 1, with a hint
-    job_id = out.split()[0]
-    code, out, _ = run("samples", job_id, "--state", "failed", "--json")
-    assert code == 0 and len(json.loads(out)) == 2 and all("layers" in s["last_error"] for s in json.loads(out))
-    code, out, _ = run("samples", job_id, "--state", "failed")
-    assert "LAST ERROR" in out.splitlines()[0] and "layers" in out
-    code, out, _ = run("retry", job_id, "--json")
-    assert code == 0 and json.loads(out)["id"] == job_id
-    code, out, _ = run("status", job_id, "--watch", "--interval", "0.2")
-    assert code == 1 and "] failed" in out
+    # Every dump comes out a token short: the samples fail, with the reason.
+    faults = f"{ref.url}/admin/faults"
+    httpx.post(faults, json={"bad_dumps": {"probability": 1.0, "kind": "wrong_num_tokens"}}).raise_for_status()
+    try:
+        code, out, err = run("submit", "--input-path", "wrong.jsonl", "--wait", "--interval", "0.2")
+        assert code == 1 and "failed" in err and "hsx samples" in err  # the job failed: exit 1, with a hint
+        job_id = out.split()[0]
+        code, out, _ = run("samples", job_id, "--state", "failed", "--json")
+        reasons = [s["last_error"] for s in json.loads(out)]
+        assert code == 0 and len(reasons) == 2 and all("num_tokens" in r for r in reasons), reasons
+        code, out, _ = run("samples", job_id, "--state", "failed")
+        assert "LAST ERROR" in out.splitlines()[0] and "num_tokens" in out
+        code, out, _ = run("retry", job_id, "--json")
+        assert code == 0 and json.loads(out)["id"] == job_id
+        code, out, _ = run("status", job_id, "--watch", "--interval", "0.2")
+        assert code == 1 and "] failed" in out
+    finally:
+        httpx.delete(faults).raise_for_status()
 
     big = jsonl(tmp_path / "big.jsonl", make_samples(30, seed=54, lo=60, hi=120))
     code, out, _ = run("submit", big, "--json")
