@@ -67,6 +67,7 @@ def test_a_root_whose_marker_is_gone_is_refused_even_when_writing(sessions, tmp_
     with sessions.begin() as s:
         job = repo.create_job(s, name=None, layers=None, samples=[repo.NewSample("a", b"\1\0\0\0", None, 1)])
         repo.cancel_job(s, job.id)
+        repo.cancel_queued(s, job.id, 10)
     with pytest.raises(OutputRootMismatch), sessions.begin() as s:
         finish_job(s, job.id, root)
     assert not (root / job.id).exists()
