@@ -16,9 +16,9 @@ When a job's staged samples go to a shard:
   shard is worth waiting for only while samples arrive quickly; when the request loop is slower than
   the disk, a full shard would keep the disk idle for minutes (at a job's start too) while staged
   dumps hold memory in the dump root's file system, so after that bound what is staged is written
-  as a smaller shard. The default (10 s) is longer than a model server with a GPU takes to fill a
-  shard, so it cuts only the shards of slow extractions, at most one smaller shard per job and
-  writer every 10 s.
+  as a smaller shard. At hundreds of MB/s a 256 MiB shard fills well within the default (10 s), so
+  it cuts only the shards of slow extractions, at most one smaller shard per job and writer every
+  10 s.
 
 Staged bytes nobody has taken yet are bounded (max_staged_bytes), so requests wait when the disk is
 slower than the model server; each flusher holds at most one more shard's worth while writing it. A
