@@ -3,6 +3,7 @@ order). The descriptions are the flags' help (`hsx serve --help`)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -39,6 +40,19 @@ def parse_tokens(spec: str) -> dict[str, str]:
 
 MiB = 1024 * 1024
 
+# Each shard flusher writes on a core of its own and hashes on a second thread: more than this many
+# rarely find a disk that takes them all, and each holds up to a shard's worth of staging while it writes.
+MAX_DEFAULT_FLUSHERS = 8
+
+
+def default_flushers() -> int:
+    """One shard flusher per core this process may run on, at most MAX_DEFAULT_FLUSHERS, at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_FLUSHERS))
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HSX_", extra="ignore")
@@ -68,10 +82,20 @@ class Settings(BaseSettings):
     port: int = Field(8000, description="port to listen on")
     shard_max_bytes: int = Field(
         256 * 1024 * 1024,
-        description="a job's shard is written once its staged samples reach this size, and as soon as the job "
-        "has no queued sample left",
+        description="a job's shard is written once its staged samples reach this size; the job's last, smaller "
+        "shard once no sample of it is queued or still running here",
     )
-    shard_max_wait_s: float = Field(30.0, description="staged samples wait at most this long for their shard")
+    shard_max_wait_s: float = Field(
+        10.0,
+        description="while a job has queued samples, a staged sample waits at most this long for its shard (then "
+        "what is staged goes to a smaller one, so that a slow extraction keeps the disk busy)",
+    )
+    flushers: int = Field(
+        default_flushers(),
+        ge=1,
+        description="threads writing shards at once, each a shard of its own (sha256 and all); the default is one "
+        f"per core available to the process, at most {MAX_DEFAULT_FLUSHERS}",
+    )
     max_attempts: int = Field(3, description="attempts per sample before it is failed")
     cancel_batch: int = Field(
         10_000,

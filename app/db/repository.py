@@ -641,11 +641,34 @@ def recover_writer(
     return requeued, kept
 
 
-def staged_samples(session: Session, writer: str, job_id: str | None = None) -> list[SampleRow]:
+PKS_PER_QUERY = 500
+
+
+def staged_samples(
+    session: Session, writer: str, job_id: str | None = None, *, pks: list[int] | None = None
+) -> list[SampleRow]:
+    """The writer's staged samples (of one job, and of those `pks` only, if given), in job order."""
     q = select(SampleRow).where(SampleRow.writer == writer, SampleRow.state == SampleState.STAGED)
     if job_id is not None:
         q = q.where(SampleRow.job_id == job_id)
-    return list(session.execute(q.order_by(SampleRow.job_id, SampleRow.idx)).scalars())
+    if pks is None:
+        return list(session.execute(q.order_by(SampleRow.job_id, SampleRow.idx)).scalars())
+    # A shard of small samples names many thousands: asked in parts, each within any database's limit on parameters.
+    rows = [
+        row
+        for start in range(0, len(pks), PKS_PER_QUERY)
+        for row in session.execute(q.where(SampleRow.pk.in_(pks[start : start + PKS_PER_QUERY]))).scalars()
+    ]
+    return sorted(rows, key=lambda r: (r.job_id, r.idx))
+
+
+def running_samples(session: Session, writer: str, job_id: str) -> int:
+    """How many of the job's samples the writer (or one of its in-flight slots) is running now."""
+    return session.execute(
+        select(func.count()).where(
+            SampleRow.job_id == job_id, SampleRow.state == SampleState.RUNNING, _writer_or_slots(writer)
+        )
+    ).scalar_one()
 
 
 def requeue_staged(session: Session, job_id: str, pks: list[int], reason: str) -> None:

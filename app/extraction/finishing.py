@@ -47,26 +47,34 @@ class JobFinisher:
         self.pause = pause
         self._due: set[str] = set()  # jobs whose manifest could not be written yet
         self._lock = threading.Lock()
+        # Several threads may find a job settled at once (flushers, request loops): one finishes it,
+        # the others then find it finished and write nothing.
+        self._finishing = threading.Lock()
 
-    def finish(self, job_id: str) -> None:
-        """End the job if it is settled; when its manifest cannot be written yet, the job stays
-        unfinished and retry_due tries again."""
+    def finish(self, job_id: str) -> JobState | None:
+        """End the job if it is settled; returns the state it ended in, or None. When its manifest
+        cannot be written yet (or the lease was lost meanwhile), the job stays unfinished and
+        retry_due tries again."""
         try:
-            final = self.db.run(lambda s: finish_job(s, job_id, self.output_root))
-        except (OSError, OutputRootMismatch) as exc:
+            with self._finishing:
+                final = self.db.run(lambda s: finish_job(s, job_id, self.output_root))
+        except (OSError, OutputRootMismatch, repo.LeaseLost) as exc:
+            with self._lock:
+                self._due.add(job_id)
+            if isinstance(exc, repo.LeaseLost):
+                raise
             blocked = output_blocked(exc)
             if blocked:
                 self.pause.reason = f"{blocked}, manifest of {job_id} not written yet: {exc}"
             log.warning("job %s: manifest not written yet: %s", job_id, exc)
-            with self._lock:
-                self._due.add(job_id)
-            return
+            return None
         with self._lock:
             self._due.discard(job_id)
         if final:
             known = {sh.name for sh in self.db.run(lambda s: repo.job_shards(s, job_id))}
             self._remove_leftovers(job_id, known)
             log.info("job %s %s; manifest at %s", job_id, final, job_dir(self.output_root, job_id))
+        return final
 
     def retry_due(self) -> None:
         with self._lock:

@@ -107,8 +107,8 @@ class RequestLoop:
                 self._work.clear()
             return False
         if claimed.queued_left == 0:
-            # Nothing left to claim: what is staged can go to its shard while the last requests
-            # run, so the job ends with only their samples left to write.
+            # Nothing left to claim: the flushers look whether the job's staged samples fill a shard;
+            # the rest waits for the requests still running, to go to the job's last shard with them.
             self.flusher.wake()
         self._process(claimed, extractor, serves)
         self.flusher.settle(claimed.job_id)
@@ -191,7 +191,7 @@ class RequestLoop:
         self.metrics.attempt("ok")
         self.metrics.extracted(dump.num_tokens, dump.nbytes)
         # Only after the commit: a flush that started before it must not have swallowed this sample.
-        self.flusher.staged(c.job_id, dump.nbytes)
+        self.flusher.staged(c.job_id, c.sample_pk, dump.nbytes)
 
     def _sweep(self, extractor: SampleExtractor) -> None:
         if extractor.capture.source != "dumps" or extractor.capture.name_by != "rid":

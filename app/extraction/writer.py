@@ -1,5 +1,5 @@
 """The single writer for one dump root: it owns the root, runs the request loops and the shard
-flusher in their threads, and says how it is doing.
+flushers (settings.flushers of them) in their threads, and says how it is doing.
 
 Only one writer may use a dump root: the file-system lock (DumpRoot.acquire) stops a second
 process here, and the database allows one running sample per writer identity.
@@ -96,16 +96,16 @@ class Writer:
         epoch = self.lease.register()
         self._report.report()
         staged = self._db.run(lambda s: repo.staged_samples(s, self.identity))
-        for job_id in {x.job_id for x in staged}:
-            self._flusher.adopt(job_id)
+        self._flusher.adopt(staged)
         log.info("writer %s: lease %d, %d staged samples kept from before", self.identity, epoch, len(staged))
         self._threads = [
             threading.Thread(target=self._run, args=(self.step, i), name=f"hsx-writer-{i}", daemon=True)
             for i in range(self.slots)
         ]
-        self._threads.append(
-            threading.Thread(target=self._run, args=(self.flush_step, 0), name="hsx-flusher", daemon=True)
-        )
+        self._threads += [
+            threading.Thread(target=self._run, args=(self.flush_step, i), name=f"hsx-flusher-{i}", daemon=True)
+            for i in range(self.settings.flushers)
+        ]
         self._threads.append(threading.Thread(target=self._heartbeats, name="hsx-heartbeat", daemon=True))
         for t in self._threads:
             t.start()
@@ -135,7 +135,7 @@ class Writer:
         return self._requests.step(slot)
 
     def flush_step(self, _slot: int = 0) -> None:
-        """The flusher's turn: write shards that are due and finish the jobs they complete."""
+        """A flusher's turn: write a shard that is due and finish the job it completes."""
         self._flusher.step()
 
     def _heartbeats(self) -> None:

@@ -19,8 +19,9 @@ import pytest
 from hsx import cli
 from hsx.cli import serve
 from hsx.cli.client.common import Progress
-from hsx.config import Settings
+from hsx.config import MAX_DEFAULT_FLUSHERS, Settings
 from hsx.sdk import HsxClient
+from pydantic import ValidationError
 
 from tests.support.no_torch import env_without_torch
 from tests.support.procs import hsx_command
@@ -95,13 +96,22 @@ def test_serve_settings_flags_win_over_environment(monkeypatch):
     monkeypatch.setenv("HSX_MAX_ATTEMPTS", "5")
     settings = serve.settings_from_args(parser.parse_args(["serve", "--port", "9001", "--dump-root", "/tmp/d"]))
     assert settings.port == 9001 and settings.max_attempts == 5 and settings.dump_root == Path("/tmp/d")
-    assert settings.run_writer and settings.staging_dir is None and settings.shard_max_wait_s == 30.0
+    assert settings.run_writer and settings.staging_dir is None and settings.shard_max_wait_s == 10.0
+    assert settings.flushers == max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_FLUSHERS))
     assert not serve.settings_from_args(parser.parse_args(["serve", "--no-writer"])).run_writer
     monkeypatch.setenv("HSX_RUN_WRITER", "false")
     assert not serve.settings_from_args(parser.parse_args(["serve"])).run_writer
     args = parser.parse_args(["serve", "--shard-max-wait-s", "0.5", "--staging-dir", "/tmp/s", "--log-level", "debug"])
     settings = serve.settings_from_args(args)
     assert settings.shard_max_wait_s == 0.5 and settings.staging_dir == Path("/tmp/s") and args.log_level == "debug"
+    monkeypatch.setenv("HSX_FLUSHERS", "3")
+    assert serve.settings_from_args(parser.parse_args(["serve"])).flushers == 3
+    assert serve.settings_from_args(parser.parse_args(["worker", "--flushers", "2"])).flushers == 2
+    with pytest.raises(ValidationError) as refused:
+        serve.settings_from_args(parser.parse_args(["worker", "--flushers", "0"]))
+    assert serve.setting_errors(refused.value) == [
+        "--flushers (HSX_FLUSHERS): Input should be greater than or equal to 1"
+    ]
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["serve", "--port", "eighty"])
     assert exc.value.code == 2

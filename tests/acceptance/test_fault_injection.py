@@ -45,7 +45,7 @@ def stack(tmp_path_factory):
         f"sqlite:///{tmp / 'hsx.db'}",
         backend_url=url,
         dump_root=tmp / "dumps",
-        extra=["--dump-wait-s", "3", "--max-attempts", "3"],
+        extra=["--dump-wait-s", "3", "--max-attempts", "3", "--flushers", "2"],
     )
     yield svc, url
     svc.stop()
@@ -227,24 +227,27 @@ def test_a_prefix_cache_serves_nothing_to_requests_with_their_own_extra_key(tmp_
         proc.stop()
 
 
-def test_staged_samples_go_to_a_shard_while_the_last_request_runs(tmp_path):
-    """Once nothing is left to claim, what is staged is written while the last request runs (0.8 s
-    here), so the job ends with only that sample left to write, in a shard of its own."""
-    proc, url = start_synthetic(tmp_path, "--prefill-us-per-token", "20000")
+@pytest.mark.parametrize("flushers", [1, 2])
+def test_a_job_ends_with_full_shards_and_one_small_one(tmp_path, flushers):
+    """Once nothing is left to claim, the staged samples wait for the last request (0.2 s here) instead
+    of going to a shard without it: 24 samples, five to a shard, end as four full shards and one of four,
+    however many flushers write them."""
+    proc, url = start_synthetic(tmp_path, "--prefill-us-per-token", "5000")
+    sample_bytes = 40 * HIDDEN * len(LAYERS) * 2  # 40 tokens of bfloat16
     svc = start_service(
         tmp_path,
         f"sqlite:///{tmp_path / 'hsx.db'}",
         backend_url=url,
         dump_root=tmp_path / "dumps",
-        extra=["--shard-max-wait-s", "600"],
+        extra=["--shard-max-wait-s", "600", "--shard-max-bytes", str(5 * sample_bytes), "--flushers", str(flushers)],
     )
     try:
-        items = samples(4, seed=9, lengths=[40] * 4)
+        items = samples(24, seed=9, lengths=[40] * 24)
         job = run_job(svc, items)
         assert job["state"] == "succeeded"
         assert_exact(svc, job, items)
         manifest = load_manifest(svc.output_root / job["id"])
-        assert [sh.num_samples for sh in manifest.shards] == [3, 1]
+        assert sorted(sh.num_samples for sh in manifest.shards) == [4, 5, 5, 5, 5]
     finally:
         svc.stop()
         proc.stop()

@@ -60,6 +60,8 @@ def start_worker(tmp: Path, name: str, backend: str, database_url: str) -> Proce
         str(LEASE_S),
         "--shard-max-bytes",
         "300000",
+        "--flushers",
+        "2",
     ]
     return Process(args, tmp / f"{name}-worker.log")
 

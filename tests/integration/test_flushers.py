@@ -1,0 +1,219 @@
+"""The writer's shard flushers against a real database and real staged dumps: several flushers write
+each sample once in gap-free numbered shards, a job ends with one small shard (its last samples wait
+for the request still running), the time bound writes a smaller shard while samples are still queued,
+and a shard that could not be written takes no number.
+
+The test plays the request loop's part (claim, stage a dump, tell the flusher); the writer's own
+request loops find no model server and claim nothing."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hsx.config import Settings
+from hsx.db import repository as repo
+from hsx.db.engine import make_engine, session_factory, upgrade
+from hsx.extraction.output_root import shared_output_root
+from hsx.extraction.writer import Writer
+from hsx.manifest import load_manifest, read_sample
+from hsx.reference.dumper import Dumper
+from hsx.states import TERMINAL_JOB_STATES
+from hsx.storage.shards import shard_name
+
+HIDDEN, LAYERS, TOKENS = 64, [1, 2], 8
+SAMPLE_BYTES = TOKENS * HIDDEN * 2 * len(LAYERS)  # bfloat16
+PER_SHARD = 5
+
+
+def hidden_states(idx: int, nan: bool = False) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(idx)
+    out = {i: torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16) for i in LAYERS}
+    if nan:
+        out[LAYERS[-1]][3, 5] = float("nan")
+    return out
+
+
+class Stack:
+    """A writer on a real database, and the request loop's part played by hand."""
+
+    def __init__(self, tmp: Path, database_url: str, **settings):
+        self.settings = Settings(
+            backend_url="http://127.0.0.1:9",  # nothing listens: the writer's request loops claim nothing
+            dump_root=tmp / "dumps",
+            output_root=tmp / "output",
+            database_url=database_url,
+            shard_max_bytes=PER_SHARD * SAMPLE_BYTES,
+            **settings,
+        )
+        self.engine = make_engine(database_url)
+        upgrade(self.engine)
+        self.sessions = session_factory(self.engine)
+        with self.sessions.begin() as s:
+            shared_output_root(s, self.settings.output_root, mark=True)
+        self.writer = Writer(self.settings, self.sessions)
+        self.writer.acquire()
+        self.flusher = self.writer._flusher
+        self.started = False
+
+    def start(self) -> None:
+        self.writer.start_thread()
+        self.started = True
+
+    def stop(self) -> None:
+        if self.started:
+            self.writer.stop()
+        else:
+            self.writer.root.release()
+        self.engine.dispose()
+
+    def job(self, n: int) -> str:
+        ids = np.arange(1, TOKENS + 1, dtype="<i4").tobytes()
+        samples = [repo.NewSample(f"s{i:03d}", ids, None, TOKENS) for i in range(n)]
+        with self.sessions.begin() as s:
+            return repo.create_job(s, name=None, layers=LAYERS, samples=samples).id
+
+    def claim(self) -> repo.Claimed:
+        with self.sessions.begin() as s:
+            c = repo.claim_next(s, self.writer.identity)
+        assert c is not None
+        return c
+
+    def stage(self, c: repo.Claimed, *, nan: bool = False, tell: bool = True) -> None:
+        """What the request loop does with a validated dump: stage it, commit, tell the flusher."""
+        dumper = Dumper(self.writer.staging / c.job_id, boot_id="b", dtype_name="bfloat16", hidden_size=HIDDEN)
+        ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
+        path = dumper.write(
+            f"{c.idx:09d}-t{c.try_number}", rid="r", counter=0, input_ids=ids, hidden_states=hidden_states(c.idx, nan)
+        )
+        model = {"layers": LAYERS, "hidden_size": HIDDEN, "dtype": "bfloat16"}
+        with self.sessions.begin() as s:
+            repo.set_job_model_info(s, c.job_id, model)
+            assert repo.mark_staged(
+                s,
+                c,
+                writer=self.writer.identity,
+                staged_path=str(path),
+                observed_tokens=TOKENS,
+                dump_key="k",
+                boot_id="b",
+            )
+        if tell:
+            self.flusher.staged(c.job_id, c.sample_pk, SAMPLE_BYTES)
+            self.flusher.settle(c.job_id)
+
+    def extract(self, n: int, **kw) -> None:
+        for _ in range(n):
+            self.stage(self.claim(), **kw)
+
+    def state(self, job_id: str):
+        with self.sessions() as s:
+            return repo.get_job(s, job_id)
+
+    def wait(self, what, timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = what()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise TimeoutError(f"{what} never held")
+
+    def finished(self, job_id: str):
+        return self.wait(lambda: (job := self.state(job_id)).state in TERMINAL_JOB_STATES and job)
+
+    def shards(self, job_id: str) -> list[tuple[str, int]]:
+        with self.sessions() as s:
+            return sorted((sh.name, sh.num_samples) for sh in repo.job_shards(s, job_id))
+
+
+@pytest.fixture
+def stacks(tmp_path, database_url):
+    made: list[Stack] = []
+
+    def make(**settings) -> Stack:
+        stack = Stack(tmp_path / f"w{len(made)}", database_url, **settings)
+        made.append(stack)
+        return stack
+
+    yield make
+    for stack in made:
+        stack.stop()
+
+
+def assert_stored_once(stack: Stack, job_id: str, n: int) -> None:
+    folder = stack.settings.output_root / job_id
+    manifest = load_manifest(folder)
+    assert [s.id for s in manifest.samples] == [f"s{i:03d}" for i in range(n)], "every sample stored once"
+    assert [sh.name for sh in manifest.shards] == [shard_name(i) for i in range(len(manifest.shards))]
+    assert {p.name for p in folder.glob("*.safetensors")} == {sh.name for sh in manifest.shards}
+    for i in range(n):
+        got = read_sample(folder, manifest, f"s{i:03d}")
+        for layer, truth in hidden_states(i).items():
+            assert torch.equal(got[f"layer_{layer}"], truth), (i, layer)
+
+
+def test_several_flushers_write_staged_samples_once_in_full_gap_free_shards(stacks, caplog):
+    stack = stacks(flushers=3)
+    job_id = stack.job(8 * PER_SHARD)
+    # Staged before the writer starts (as after a crash): eight full shards wait for three flushers.
+    stack.extract(8 * PER_SHARD, tell=False)
+    with caplog.at_level(logging.INFO, logger="hsx.writer"):
+        stack.start()
+        job = stack.finished(job_id)
+    assert job.state == "succeeded" and job.n_succeeded == 8 * PER_SHARD
+    assert stack.shards(job_id) == [(shard_name(i), PER_SHARD) for i in range(8)]
+    assert_stored_once(stack, job_id, 8 * PER_SHARD)
+    writers = {r.threadName for r in caplog.records if " wrote shard-" in r.getMessage()}
+    assert len(writers) >= 2 and all(t.startswith("hsx-flusher-") for t in writers), writers
+    assert not any(stack.writer.staging.glob(f"{job_id}/*")), "staged dumps are removed once in a shard"
+
+
+def test_the_last_samples_wait_for_the_request_still_running_and_end_in_one_small_shard(stacks):
+    stack = stacks(flushers=2, shard_max_wait_s=600)
+    stack.start()
+    job_id = stack.job(2 * PER_SHARD + 3)
+    stack.extract(2 * PER_SHARD + 2)
+    last = stack.claim()  # nothing is queued now; this request is still running
+    stack.flusher.wake()
+    stack.wait(lambda: len(stack.shards(job_id)) == 2)
+    time.sleep(1.5)  # several turns of every flusher
+    assert stack.shards(job_id) == [(shard_name(0), PER_SHARD), (shard_name(1), PER_SHARD)]
+    assert stack.state(job_id).n_staged == 2, "the two staged samples wait for the running one"
+    stack.stage(last)
+    job = stack.finished(job_id)
+    assert job.state == "succeeded"
+    assert stack.shards(job_id) == [(shard_name(0), PER_SHARD), (shard_name(1), PER_SHARD), (shard_name(2), 3)]
+    assert_stored_once(stack, job_id, 2 * PER_SHARD + 3)
+
+
+def test_the_time_bound_writes_a_smaller_shard_while_samples_are_still_queued(stacks):
+    stack = stacks(flushers=2, shard_max_wait_s=0.5)
+    stack.start()
+    job_id = stack.job(4 * PER_SHARD)
+    stack.extract(2)
+    stack.wait(lambda: stack.shards(job_id) == [(shard_name(0), 2)])
+    assert stack.state(job_id).n_queued == 4 * PER_SHARD - 2
+    stack.extract(4 * PER_SHARD - 2)
+    assert stack.finished(job_id).state == "succeeded"
+    assert_stored_once(stack, job_id, 4 * PER_SHARD)
+
+
+def test_a_shard_that_could_not_be_written_takes_no_number(stacks):
+    stack = stacks(flushers=2, shard_max_wait_s=600)
+    stack.start()
+    job_id = stack.job(PER_SHARD + 1)
+    stack.extract(1)
+    stack.stage(stack.claim(), nan=True)  # found when its shard is written: that attempt fails
+    stack.extract(PER_SHARD - 2)  # a full shard's worth: written, and refused for the NaN
+    stack.wait(lambda: stack.state(job_id).n_queued == 2)
+    assert stack.shards(job_id) == [], "nothing stored with the sample that failed"
+    stack.extract(2)  # the failed sample again (index 1 comes first), then the last one
+    assert stack.finished(job_id).state == "succeeded"
+    # Numbered as they are recorded: the last shard may be on disk before the full one written beside it.
+    assert sorted(n for _, n in stack.shards(job_id)) == [1, PER_SHARD]
+    assert_stored_once(stack, job_id, PER_SHARD + 1)
