@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -23,7 +24,9 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """Yield a file to write; on success it replaces `path` whole, on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # Unique per process and thread: two threads of one service (a writer's flusher and the API's
+    # cancel task) may write the same job's manifest at once; each renames a whole file of its own.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, "wb") as f:
             yield f
