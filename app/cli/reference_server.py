@@ -15,10 +15,11 @@ from hsx.layers import eagle3_capture_layers, layers_arg
 NAME = "reference-server"
 HELP = "run the SGLang-compatible reference model server that writes hidden-state dumps"
 DESCRIPTION = """\
-Serve a causal LM (a local transformers checkpoint, or an embedded tiny Llama) behind an
-SGLang-compatible HTTP API (/generate, /health, /get_model_info, /get_server_info, /flush_cache).
-Every forward request, warm-up and health checks included, writes its prefill hidden states to
-<dump-root>/req_<key>/ following dump protocol v1. Runs until SIGTERM or SIGINT.
+Serve a causal LM (a local transformers checkpoint, or an embedded tiny Llama; on the CPU or on
+--device) behind an SGLang-compatible HTTP API (/generate, /health, /get_model_info,
+/get_server_info, /flush_cache). Every forward request, warm-up and health checks included,
+writes its prefill hidden states to <dump-root>/req_<key>/ following dump protocol v1. Runs until
+SIGTERM or SIGINT.
 
 Synthetic mode (--synthetic), for benchmarks: no model; a model of the shape that --hidden-size,
 --num-layers, --vocab-size and --dtype give, whose hidden states are rows of a seeded random table
@@ -102,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="model and dump dtype; auto = the checkpoint's own (bfloat16 for the embedded model) "
         "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="torch device the model runs on, e.g. cuda or cuda:1; dumps are written from host memory (default: cpu)",
     )
     parser.add_argument(
         "--skip-server-warmup",
@@ -267,6 +274,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.synthetic:
         if args.model is not None:
             return "--model and --synthetic exclude each other"
+        if args.device is not None:
+            return "--device needs a model: synthetic mode computes nothing"
         return None
     given = [k for k in SYNTHETIC_DEFAULTS if getattr(args, k) is not None]
     if given:
@@ -295,7 +304,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             from hsx.reference.model import ModelRunner, load_model
 
-            model, model_path = load_model(args.model, args.dtype)
+            model, model_path = load_model(args.model, args.dtype, args.device or "cpu")
             num_layers = int(model.config.num_hidden_layers)
             layers = args.layers if args.layers is not None else eagle3_capture_layers(num_layers)
             runner = ModelRunner(model, model_path, layers)
@@ -362,7 +371,7 @@ def _main_stock(args: argparse.Namespace) -> int:
     )
     try:
         stock.check()
-        model, stock.model_path = load_model(args.model, args.dtype)
+        model, stock.model_path = load_model(args.model, args.dtype, args.device or "cpu")
         num_layers = int(model.config.num_hidden_layers)
         runner = ModelRunner(model, stock.model_path, [*aux_layers(stock, num_layers), num_layers])
         _, app_factory = start_stock(stock, runner)

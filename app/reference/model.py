@@ -40,21 +40,40 @@ def _embedded_model(dtype: str) -> PreTrainedModel:
     return model
 
 
-def load_model(path: str | None, dtype: str = "auto") -> tuple[PreTrainedModel, str]:
-    """The model in eval mode and the path to report; `path=None` means the embedded tiny Llama."""
+def parse_device(device: str) -> torch.device:
+    """A torch device this machine has, or ValueError saying why not."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from exc
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available (torch.cuda.is_available() is False)")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return parsed
+
+
+def load_model(path: str | None, dtype: str = "auto", device: str = "cpu") -> tuple[PreTrainedModel, str]:
+    """The model in eval mode on `device` and the path to report; `path=None` means the embedded tiny Llama."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected auto or one of {sorted(DTYPES)}")
+    target = parse_device(device)
     if path is None:
-        return _embedded_model(dtype).eval(), EMBEDDED_MODEL_PATH
-    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
-    # transformers renamed torch_dtype to dtype in 4.56; older releases silently ignore `dtype`.
-    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **{key: torch_dtype})
-    return model.eval(), str(path)
+        model, reported = _embedded_model(dtype), EMBEDDED_MODEL_PATH
+    else:
+        torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+        # transformers renamed torch_dtype to dtype in 4.56; older releases silently ignore `dtype`.
+        key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **{key: torch_dtype})
+        reported = str(path)
+    if target.type != "cpu":
+        model = model.to(target)  # type: ignore[arg-type]  # see _embedded_model
+    return model.eval(), reported
 
 
 class ModelRunner:
-    """Runs one sequence at a time (batch 1, no padding), so a prefill equals a plain HF forward bit for bit."""
+    """Runs one sequence at a time (batch 1, no padding), so a prefill equals a plain HF forward bit for bit,
+    on the device the model is on."""
 
     def __init__(self, model: PreTrainedModel, model_path: str, layers: list[int]):
         self.model = model
@@ -65,6 +84,7 @@ class ModelRunner:
         self.hidden_size = int(config.hidden_size)
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 4096))
         self.dtype = model.dtype
+        self.device = model.device
         self.dtype_name = dtype_name(model.dtype)
         bad = [i for i in layers if not 0 <= i <= self.num_hidden_layers]
         if bad:
@@ -76,13 +96,17 @@ class ModelRunner:
         )
 
     def run(self, input_ids: list[int], max_new_tokens: int) -> ForwardResult:
+        """Hidden states come back in host memory, wherever the model runs: the dumper writes them
+        from there. The last layer is copied only if a reply asks for it."""
         with torch.inference_mode():
-            ids = torch.tensor([input_ids], dtype=torch.long)
+            ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
             out = self.model(input_ids=ids, output_hidden_states=True, **self._logits_kwargs)
-            hidden = {i: out.hidden_states[i][0].contiguous() for i in self.layers}
+            hidden = {i: out.hidden_states[i][0].contiguous().cpu() for i in self.layers}
             final = out.hidden_states[self.num_hidden_layers][0]
             output_ids = self._greedy_decode(out, max_new_tokens)
-        return ForwardResult(hidden_states=hidden, final_hidden=final, output_ids=output_ids)
+        if self.device.type == "cpu":
+            return ForwardResult(hidden_states=hidden, final_hidden=final, output_ids=output_ids)
+        return ForwardResult(hidden_states=hidden, final_hidden=None, output_ids=output_ids, final_hidden_fn=final.cpu)
 
     def _greedy_decode(self, prefill_out, max_new_tokens: int) -> list[int]:
         output_ids: list[int] = []
@@ -93,7 +117,7 @@ class ModelRunner:
             if len(output_ids) == max_new_tokens:
                 break
             out = self.model(
-                input_ids=torch.tensor([[next_id]], dtype=torch.long),
+                input_ids=torch.tensor([[next_id]], dtype=torch.long, device=self.device),
                 past_key_values=out.past_key_values,
                 **self._logits_kwargs,
             )

@@ -340,6 +340,9 @@ def test_batching_raises_throughput_with_concurrent_rid_requests(servers, capsys
         ["--max-batch", "4"],
         ["--synthetic", "--model", "/x"],
         ["--synthetic", "--chunked-prefill-size", "0"],
+        ["--synthetic", "--device", "cpu"],
+        ["--device", "no-such-device"],
+        ["--device", "cuda:99"],  # no CUDA here, or not that many devices
     ],
 )
 def test_usage_errors(argv):

@@ -80,10 +80,15 @@ class Process:
         self._log.close()
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (fields[0] is the state, [1] the parent)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def proc_cpu_and_rss(pid: int) -> tuple[float, int]:
     """CPU seconds (user + system) and peak RSS bytes of a running process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    fields = _stat(pid)
     ticks = os.sysconf("SC_CLK_TCK")
     cpu = (int(fields[11]) + int(fields[12])) / ticks
     rss = 0
@@ -92,3 +97,25 @@ def proc_cpu_and_rss(pid: int) -> tuple[float, int]:
             if line.startswith("VmHWM:"):
                 rss = int(line.split()[1]) * 1024
     return cpu, rss
+
+
+def proc_tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a running process and of every process below it: those alive
+    now, and those that exited and were waited for (the kernel adds theirs to their parent's)."""
+    parents: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stats[int(entry)] = fields = _stat(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited while we looked
+            parents[int(entry)] = int(fields[1])
+    tree, grown = {pid}, True
+    while grown:
+        below = {p for p, parent in parents.items() if parent in tree and p not in tree}
+        tree |= below
+        grown = bool(below)
+    ticks = os.sysconf("SC_CLK_TCK")
+    # utime, stime, and the cutime, cstime of children already reaped
+    return sum(sum(int(x) for x in stats[p][11:15]) for p in tree if p in stats) / ticks

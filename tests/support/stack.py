@@ -69,6 +69,7 @@ def start_reference(
     dump_root: Path | None = None,
     port: int | None = None,
     extra: list[str] | None = None,
+    ready_timeout: float = 90.0,
 ) -> RefServer:
     port = port or free_port()
     dump_root = dump_root or tmp / "dumps"
@@ -77,7 +78,7 @@ def start_reference(
         args += ["--model", str(checkpoint)]
     proc = Process(args + (extra or []), tmp / f"reference-{port}.log")
     url = f"http://127.0.0.1:{port}"
-    proc.wait_http(url + "/health")
+    proc.wait_http(url + "/health", timeout=ready_timeout)
     return RefServer(url, dump_root, proc)
 
 
