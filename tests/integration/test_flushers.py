@@ -21,6 +21,7 @@ from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.extraction.output_root import shared_output_root
 from hsx.extraction.writer import Writer
 from hsx.manifest import load_manifest, read_sample
+from hsx.matching import Serves
 from hsx.reference.dumper import Dumper
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.shards import shard_name
@@ -92,7 +93,7 @@ class Stack:
         )
         model = {"layers": LAYERS, "hidden_size": HIDDEN, "dtype": "bfloat16"}
         with self.sessions.begin() as s:
-            repo.set_job_model_info(s, c.job_id, model)
+            repo.set_job_model_info(s, c.job_id, model, Serves.of(LAYERS, {"model_path": "/m"}))
             assert repo.mark_staged(
                 s,
                 c,
