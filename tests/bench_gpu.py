@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 import torch
 from hsx.layers import eagle3_capture_layers
-from hsx.reference.model import ModelRunner
+from hsx.reference.model import ModelRunner, embedded_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.support.stack import RefServer, start_reference, start_service
@@ -74,18 +74,6 @@ def llama3_8b() -> LlamaConfig:
         num_key_value_heads=8,
         max_position_embeddings=8192,
         rope_theta=500000.0,
-    )
-
-
-def tiny() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
     )
 
 
@@ -286,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default=".", help="a folder on the disk the shards go to (default: here)")
     args = parser.parse_args(argv)
     if args.smoke:
-        shape = Shape("tiny Llama (smoke)", tiny(), "cpu", 6, 64, "python -m tests.bench_gpu --smoke")
+        shape = Shape("tiny Llama (smoke)", embedded_config(), "cpu", 6, 64, "python -m tests.bench_gpu --smoke")
     elif not torch.cuda.is_available():
         print("skipped: CUDA is not available (torch.cuda.is_available() is False); --smoke runs on the CPU")
         return 0

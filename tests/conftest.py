@@ -20,6 +20,8 @@ PLUGIN_SOURCE = Path(__file__).resolve().parents[1] / "deploy" / "sglang"
 if str(PLUGIN_SOURCE) not in sys.path:
     sys.path.insert(0, str(PLUGIN_SOURCE))
 
+from hsx.db.engine import make_engine, session_factory, upgrade  # noqa: E402
+
 from tests.support.sglang.wheels import SUPPORTED_SGLANG, sglang_wheel  # noqa: E402
 from tests.support.stack import Recompute, make_checkpoint  # noqa: E402
 
@@ -70,6 +72,15 @@ def database_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'hsx.db'}"
     return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def sessions(database_url):
+    """Sessions on a fresh, migrated database of each kind."""
+    engine = make_engine(database_url)
+    upgrade(engine)
+    yield session_factory(engine)
+    engine.dispose()
 
 
 @pytest.fixture(scope="session")

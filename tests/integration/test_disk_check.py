@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 from hsx.api.schemas import SampleIn
-from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.db.models import JobRow
 from hsx.service.errors import InsufficientStorage
 from hsx.service.intake import DiskCheck, Ingest, Limits, store
@@ -19,14 +18,6 @@ from sqlalchemy import func, select
 
 TOKENS = 10
 PER_TOKEN_EXTRA = 16  # int64 input_ids and loss_mask
-
-
-@pytest.fixture
-def sessions(database_url):
-    engine = make_engine(database_url)
-    upgrade(engine)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def limits_needing(nbytes: int) -> Limits:

@@ -8,19 +8,10 @@ import json
 import shutil
 
 import pytest
-from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.db.models import JobRow, SampleRow
 from hsx.service.errors import InsufficientStorage
 from hsx.service.intake import DiskCheck, Ingest, Limits, parse_sample, store
 from sqlalchemy import func, select
-
-
-@pytest.fixture
-def sessions(database_url):
-    engine = make_engine(database_url)
-    upgrade(engine)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def limits_for(estimate: int) -> Limits:

@@ -9,19 +9,10 @@ import time
 import numpy as np
 import pytest
 from hsx.db import repository as repo
-from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.db.models import WriterRow
 from sqlalchemy import update
 
 A, B = "host:/dump/a", "host:/dump/b"
-
-
-@pytest.fixture
-def sessions(database_url):
-    engine = make_engine(database_url)
-    upgrade(engine)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def register(sessions, identity: str, lease_s: float = 30.0) -> int:

@@ -5,22 +5,12 @@ nobody live can serve says why it waits."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hsx.db import repository as repo
-from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.db.models import JobRow
 from hsx.matching import Serves, model_key
 
 LLAMA = {"model_path": "/models/llama", "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 64}
 QWEN = {"model_path": "/models/qwen", "model_type": "qwen2", "num_hidden_layers": 8, "hidden_size": 64}
-
-
-@pytest.fixture
-def sessions(database_url):
-    engine = make_engine(database_url)
-    upgrade(engine)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def job_with(sessions, n: int, layers: list[int] | None = None) -> str:

@@ -13,14 +13,6 @@ from hsx.extraction.output_root import shared_output_root
 from hsx.storage.output_root import MARKER_NAME, OutputRootMismatch, read_marker
 
 
-@pytest.fixture
-def sessions(database_url):
-    engine = make_engine(database_url)
-    upgrade(engine)
-    yield session_factory(engine)
-    engine.dispose()
-
-
 def check(sessions, root, *, mark: bool = True) -> str:
     with sessions.begin() as s:
         return shared_output_root(s, root, mark=mark)

@@ -22,14 +22,6 @@ def new_samples(n: int) -> list[repo.NewSample]:
     return [repo.NewSample(f"s{i}", np.arange(1, i + 3, dtype="<i4").tobytes(), None, i + 2) for i in range(n)]
 
 
-@pytest.fixture
-def sessions(database_url):
-    engine = make_engine(database_url)
-    upgrade(engine)
-    yield session_factory(engine)
-    engine.dispose()
-
-
 def test_one_running_sample_per_writer(sessions):
     with sessions.begin() as s:
         job = repo.create_job(s, name=None, layers=None, samples=new_samples(3))
