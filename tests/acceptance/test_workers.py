@@ -95,6 +95,28 @@ def wait_for(what, timeout: float = 60.0, every: float = 0.2):
     raise TimeoutError(f"{what} never held")
 
 
+def random_samples(prefix: str, n: int, rng: random.Random, lo: int = 20, hi: int = 60) -> list[dict]:
+    return [
+        {"id": f"{prefix}{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))]}
+        for i in range(n)
+    ]
+
+
+def assert_stored_once(folder: Path, samples: list[dict], layers: list[int], hidden: int) -> None:
+    """Every sample stored exactly once, in order, in shards the manifest names (no stray one), each
+    tensor equal to the synthetic model's own recomputation."""
+    manifest = load_manifest(folder)
+    assert [s.id for s in manifest.samples] == [s["id"] for s in samples], "every sample stored exactly once"
+    assert {p.name for p in folder.glob("*.safetensors")} == {sh.name for sh in manifest.shards}, "no stray shard"
+    assert (manifest.layers, manifest.hidden_size) == (layers, hidden)
+    for s in samples:
+        got = read_sample(folder, manifest, s["id"])
+        truth = synthetic_hidden_states(s["input_ids"], layers, hidden, torch.bfloat16)
+        assert got["input_ids"].tolist() == s["input_ids"]
+        for layer in layers:
+            assert torch.equal(got[f"layer_{layer}"], truth[layer]), (s["id"], layer)
+
+
 def test_a_dead_and_a_stalled_worker_lose_their_samples_and_record_nothing_stale(tmp_path, postgres_url):
     parts: list[Process] = []
     try:
@@ -107,10 +129,7 @@ def test_a_dead_and_a_stalled_worker_lose_their_samples_and_record_nothing_stale
             parts.append(procs[name])
         wait_for(lambda: {k for k, w in workers(api).items() if w["state"] == "ready"} == {"a", "b", "c"})
 
-        rng = random.Random(4)
-        samples = [
-            {"id": f"w{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(20, 60))]} for i in range(90)
-        ]
+        samples = random_samples("w", 90, random.Random(4))
         job_id = httpx.post(api + "/v1/jobs", json={"samples": samples}, timeout=30).json()["id"]
 
         def job() -> dict:
@@ -127,16 +146,7 @@ def test_a_dead_and_a_stalled_worker_lose_their_samples_and_record_nothing_stale
 
         final = wait_for(lambda: job() if job()["state"] in ("succeeded", "failed") else None, timeout=240)
         assert final["state"] == "succeeded", final
-        manifest = load_manifest(tmp_path / "output" / job_id)
-        assert [s.id for s in manifest.samples] == [s["id"] for s in samples], "every sample stored exactly once"
-        named = {sh.name for sh in manifest.shards}
-        assert {p.name for p in (tmp_path / "output" / job_id).glob("*.safetensors")} == named, "no stray shard"
-        for s in samples:
-            got = read_sample(tmp_path / "output" / job_id, manifest, s["id"])
-            truth = synthetic_hidden_states(s["input_ids"], LAYERS, HIDDEN, torch.bfloat16)
-            assert got["input_ids"].tolist() == s["input_ids"]
-            for layer in LAYERS:
-                assert torch.equal(got[f"layer_{layer}"], truth[layer]), (s["id"], layer)
+        assert_stored_once(tmp_path / "output" / job_id, samples, LAYERS, HIDDEN)
 
         # The woken worker found its lease gone, dropped what it held and registered again.
         assert "lease" in procs["b"].log() and "registering again" in procs["b"].log()
@@ -184,10 +194,7 @@ def test_a_worker_cut_off_from_the_database_past_its_lease_records_nothing_stale
             parts.append(procs[name])
         wait_for(lambda: {k for k, w in workers(api).items() if w["state"] == "ready"} == {"a", "b"})
 
-        rng = random.Random(5)
-        samples = [
-            {"id": f"p{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(20, 60))]} for i in range(60)
-        ]
+        samples = random_samples("p", 60, random.Random(5))
         job_id = httpx.post(api + "/v1/jobs", json={"samples": samples}, timeout=30).json()["id"]
 
         def job() -> dict:
@@ -201,16 +208,7 @@ def test_a_worker_cut_off_from_the_database_past_its_lease_records_nothing_stale
 
         final = wait_for(lambda: job() if job()["state"] in ("succeeded", "failed") else None, timeout=240)
         assert final["state"] == "succeeded", final
-        manifest = load_manifest(tmp_path / "output" / job_id)
-        assert [s.id for s in manifest.samples] == [s["id"] for s in samples], "every sample stored exactly once"
-        assert {p.name for p in (tmp_path / "output" / job_id).glob("*.safetensors")} == {
-            sh.name for sh in manifest.shards
-        }
-        for s in samples:
-            got = read_sample(tmp_path / "output" / job_id, manifest, s["id"])
-            truth = synthetic_hidden_states(s["input_ids"], LAYERS, HIDDEN, torch.bfloat16)
-            for layer in LAYERS:
-                assert torch.equal(got[f"layer_{layer}"], truth[layer]), (s["id"], layer)
+        assert_stored_once(tmp_path / "output" / job_id, samples, LAYERS, HIDDEN)
         wait_for(lambda: "registering again" in procs["a"].log())
         wait_for(lambda: workers(api)["a"]["state"] == "ready")
     finally:
@@ -236,18 +234,11 @@ def test_a_job_runs_only_on_workers_of_its_model_and_layers(tmp_path, postgres_u
         assert listed["a"]["model_key"] != listed["b"]["model_key"], "different shapes are different models"
 
         rng = random.Random(6)
-
-        def samples(prefix: str, n: int) -> list[dict]:
-            return [
-                {"id": f"{prefix}{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(10, 40))]}
-                for i in range(n)
-            ]
-
         jobs = {
-            "a": (samples("a", 12), LAYERS),
-            "b": (samples("b", 12), [1, 3]),
-            "any": (samples("n", 12), None),
-            "none": (samples("x", 3), [6]),
+            "a": (random_samples("a", 12, rng, 10, 40), LAYERS),
+            "b": (random_samples("b", 12, rng, 10, 40), [1, 3]),
+            "any": (random_samples("n", 12, rng, 10, 40), None),
+            "none": (random_samples("x", 3, rng, 10, 40), [6]),
         }
         ids = {
             k: httpx.post(api + "/v1/jobs", json={"samples": ss, **({"layers": ls} if ls else {})}, timeout=30).json()[
@@ -275,15 +266,10 @@ def test_a_job_runs_only_on_workers_of_its_model_and_layers(tmp_path, postgres_u
         assert ran_on("a") == {"a"} and ran_on("b") == {"b"}
         pinned = ran_on("any")
         assert len(pinned) == 1, f"a job's samples come from one model: {pinned}"
-        hidden, layers = shapes[pinned.pop()]
-        for key in ("a", "b", "any"):
-            manifest = load_manifest(tmp_path / "output" / ids[key])
-            assert manifest.layers == (jobs[key][1] or layers)
-            for s in jobs[key][0]:
-                got = read_sample(tmp_path / "output" / ids[key], manifest, s["id"])
-                truth = synthetic_hidden_states(s["input_ids"], manifest.layers, manifest.hidden_size, torch.bfloat16)
-                for layer in manifest.layers:
-                    assert torch.equal(got[f"layer_{layer}"], truth[layer]), (key, s["id"], layer)
+        stored_by = {"a": "a", "b": "b", "any": pinned.pop()}
+        for key, worker in stored_by.items():
+            hidden, layers = shapes[worker]
+            assert_stored_once(tmp_path / "output" / ids[key], jobs[key][0], layers, hidden)
 
         waiting = job("none")
         assert waiting["state"] == "queued" and waiting["counts"]["queued"] == 3, waiting
