@@ -7,6 +7,7 @@ per-state counters move in the same transaction, so progress never needs to coun
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 import time
@@ -18,9 +19,25 @@ from hsx.db.models import AttemptRow, JobRow, OutputRootRow, SampleRow, ShardRow
 from hsx.matching import Serves, Waiting, layers_key
 from hsx.names import could_be_stored
 from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
-from sqlalchemy import ColumnElement, CursorResult, Result, case, delete, exists, func, or_, select, update
+from sqlalchemy import (
+    BindParameter,
+    ColumnElement,
+    CursorResult,
+    DateTime,
+    Result,
+    Table,
+    bindparam,
+    case,
+    delete,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session
 
 if TYPE_CHECKING:
     import psycopg
@@ -33,6 +50,23 @@ def utcnow() -> datetime:
 def _rowcount(result: Result[Any]) -> int:
     """Rows an UPDATE or DELETE matched (Session.execute types every result as a plain Result)."""
     return cast(CursorResult[Any], result).rowcount
+
+
+# The per-sample path (claim, stage, shard commit, and the lease check fencing each of their
+# transactions) runs thousands of times a minute per writer. Building a SQLAlchemy statement costs
+# far more CPU than the database spends running it, so those statements are built once per dialect
+# (functools.cache), on the tables rather than the ORM classes, with every value a bind parameter.
+_jobs, _samples, _attempts, _writers, _throughput = (
+    cast(Table, row.__table__) for row in (JobRow, SampleRow, AttemptRow, WriterRow, ThroughputRow)
+)
+
+
+def _now_param() -> BindParameter[datetime]:
+    return bindparam("p_now", type_=DateTime(timezone=True))
+
+
+def _dialect(session: Session) -> str:
+    return session.get_bind().dialect.name
 
 
 def new_job_id() -> str:
@@ -354,9 +388,11 @@ def _transition(
     values: dict,
     *,
     through_idx: int | None = None,
+    per_sample: dict[str, dict[int, Any]] | None = None,
 ) -> int:
     """Move the samples (`pks`, or ALL of the job's, only those up to `through_idx` when given) that
-    are still in `src` to `dst`; keep the job's counters in step.
+    are still in `src` to `dst`; keep the job's counters in step. `values` are set on every sample
+    moved, `per_sample` column values on each sample by its pk.
 
     Lock order: the job row first, then sample rows, here and in claim_next, so that no two
     transitions on one job can deadlock and none can change a state's membership behind another.
@@ -365,9 +401,10 @@ def _transition(
     """
     if pks is not None and not pks:
         return 0
-    session.execute(select(JobRow.id).where(JobRow.id == job_id).with_for_update())
-    stamp = {"state": dst, "updated_at": utcnow(), **values}
+    session.execute(_job_lock(), {"p_job": job_id})
+    now = utcnow()
     if pks is ALL:
+        stamp = {"state": dst, "updated_at": now, **values}
         which = [SampleRow.job_id == job_id, SampleRow.state == src]
         if through_idx is not None:
             which.append(SampleRow.idx <= through_idx)
@@ -381,27 +418,57 @@ def _transition(
             if _rowcount(result) != rc:
                 raise RuntimeError(f"job {job_id}: {_rowcount(result)} samples left {src}, {rc} were counted")
     else:
-        moved = (
-            session.execute(
-                update(SampleRow)
-                .where(SampleRow.pk.in_(pks), SampleRow.state == src)
+        if per_sample or any(isinstance(v, ColumnElement) for v in values.values()):
+            # Rare moves (SQL expressions, or a value per sample): built for the occasion.
+            stamp = {"state": dst, "updated_at": now, **values}
+            for column, by_pk in (per_sample or {}).items():
+                stamp[column] = case(by_pk, value=_samples.c.pk)
+            statement = (
+                update(_samples)
+                .where(_samples.c.pk.in_(pks), _samples.c.state == src)
                 .values(stamp)
-                .returning(SampleRow.num_tokens)
-                .execution_options(synchronize_session=False)
+                .returning(_samples.c.num_tokens)
             )
-            .scalars()
-            .all()
-        )
+            params = {}
+        else:
+            statement = _sample_move(tuple(sorted(values)))
+            params = {"p_pks": pks, "p_src": src, "p_dst": dst, "p_now": now} | {f"v_{k}": v for k, v in values.items()}
+        moved = session.execute(statement, params).scalars().all()
         rc, tokens = len(moved), sum(moved)
     if rc:
-        src_col, dst_col = getattr(JobRow, f"n_{src}"), getattr(JobRow, f"n_{dst}")
-        changes = {src_col: src_col - rc, dst_col: dst_col + rc}
-        if src in TOKEN_COUNTERS:
-            changes[TOKEN_COUNTERS[src]] = TOKEN_COUNTERS[src] - tokens
-        if dst in TOKEN_COUNTERS:
-            changes[TOKEN_COUNTERS[dst]] = TOKEN_COUNTERS[dst] + tokens
-        session.execute(update(JobRow).where(JobRow.id == job_id).values(changes))
+        session.execute(_job_counters(src, dst), {"p_job": job_id, "p_rc": rc, "p_tokens": tokens})
     return rc
+
+
+@functools.cache
+def _job_lock():
+    """The job row's lock (FOR UPDATE on Postgres; SQLite serialises writers by itself): see _transition."""
+    return select(_jobs.c.id).where(_jobs.c.id == bindparam("p_job")).with_for_update()
+
+
+@functools.cache
+def _sample_move(columns: tuple[str, ...]):
+    """Move samples by pk from one state to another, setting `columns` (bound as v_<column>)."""
+    return (
+        update(_samples)
+        .where(_samples.c.pk.in_(bindparam("p_pks", expanding=True)), _samples.c.state == bindparam("p_src"))
+        .values(state=bindparam("p_dst"), updated_at=_now_param(), **{c: bindparam(f"v_{c}") for c in columns})
+        .returning(_samples.c.num_tokens)
+    )
+
+
+@functools.cache
+def _job_counters(src: SampleState, dst: SampleState):
+    """The job's counters follow p_rc samples (of p_tokens tokens) from `src` to `dst`."""
+    src_col, dst_col = _jobs.c[f"n_{src}"], _jobs.c[f"n_{dst}"]
+    changes = {src_col: src_col - bindparam("p_rc"), dst_col: dst_col + bindparam("p_rc")}
+    for state, column in TOKEN_COUNTERS.items():
+        col = _jobs.c[column.key]
+        if state == src:
+            changes[col] = col - bindparam("p_tokens")
+        if state == dst:
+            changes[col] = col + bindparam("p_tokens")
+    return update(_jobs).where(_jobs.c.id == bindparam("p_job")).values(changes)
 
 
 def claim_next(session: Session, writer: str, serves: Serves | None = None) -> Claimed | None:
@@ -415,72 +482,24 @@ def claim_next(session: Session, writer: str, serves: Serves | None = None) -> C
     the sample and the partial unique index on running samples per writer are the backstops.
     SQLite serialises writers by itself and ignores the row locks.
     """
-    # The queued rows themselves, not the n_queued counter, say whether a job has work: a job can
-    # never be picked for nothing while another waits.
-    has_queued = exists().where(SampleRow.job_id == JobRow.id, SampleRow.state == SampleState.QUEUED)
-    job_id = session.execute(
-        select(JobRow.id)
-        .where(JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), *_runs_on(serves), has_queued)
-        .order_by(JobRow.id)
-        .limit(1)
-        .with_for_update(of=JobRow)
-    ).scalar()
+    serves = serves or Serves(None, None)
+    statements = _claim(_dialect(session), serves.layers is not None, serves.model is not None)
+    now = utcnow()
+    params = {"p_writer": writer, "p_now": now, "p_layers": serves.layers, "p_model": serves.model}
+    job_id = session.execute(statements.job, params).scalar()
     if job_id is None:
         return None
-    pick = (
-        select(SampleRow.pk)
-        .where(SampleRow.job_id == job_id, SampleRow.state == SampleState.QUEUED)
-        .order_by(SampleRow.idx)
-        .limit(1)
-    )
-    if session.get_bind().dialect.name == "postgresql":
-        pick = pick.with_for_update(skip_locked=True)
-    other = aliased(SampleRow)
-    busy = exists().where(other.state == SampleState.RUNNING, other.writer == writer)
-    row = session.execute(
-        update(SampleRow)
-        .where(SampleRow.pk == pick.scalar_subquery(), SampleRow.state == SampleState.QUEUED, ~busy)
-        .values(
-            state=SampleState.RUNNING,
-            writer=writer,
-            attempts=SampleRow.attempts + 1,
-            tries=SampleRow.tries + 1,
-            updated_at=utcnow(),
-        )
-        .returning(
-            SampleRow.pk,
-            SampleRow.job_id,
-            SampleRow.idx,
-            SampleRow.sample_id,
-            SampleRow.input_ids,
-            SampleRow.loss_mask,
-            SampleRow.num_tokens,
-            SampleRow.attempts,
-            SampleRow.tries,
-        )
-        .execution_options(synchronize_session=False)
-    ).first()
+    params["p_job"] = job_id
+    row = session.execute(statements.sample, params).first()
     if row is None:
         return None
-    now = utcnow()
-    queued_left = session.execute(
-        update(JobRow)
-        .where(JobRow.id == row.job_id)
-        .values(n_queued=JobRow.n_queued - 1, n_running=JobRow.n_running + 1)
-        .returning(JobRow.n_queued)
+    job = session.execute(statements.counters, params).one()
+    attempt_pk = session.execute(
+        statements.attempt, {"p_pk": row.pk, "p_number": row.tries, "p_writer": writer, "p_now": now}
     ).scalar_one()
-    session.execute(
-        update(JobRow)
-        .where(JobRow.id == row.job_id, JobRow.state == JobState.QUEUED)
-        .values(state=JobState.RUNNING, started_at=now)
-    )
-    attempt = AttemptRow(sample_pk=row.pk, number=row.tries, writer=writer, started_at=now)
-    session.add(attempt)
-    session.flush()
-    job = session.execute(select(JobRow.layers, JobRow.model_info).where(JobRow.id == row.job_id)).one()
     return Claimed(
         row.pk,
-        row.job_id,
+        job_id,
         row.idx,
         row.sample_id,
         row.input_ids,
@@ -488,29 +507,108 @@ def claim_next(session: Session, writer: str, serves: Serves | None = None) -> C
         row.num_tokens,
         row.attempts,
         row.tries,
-        attempt.pk,
+        attempt_pk,
         job.layers,
         job.model_info,
-        queued_left,
+        job.n_queued,
     )
 
 
-def _runs_on(serves: Serves | None) -> list[ColumnElement[bool]]:
-    """The jobs a worker serving `serves` may claim from: those of no key yet, or of its own."""
-    if serves is None:
-        return []
-    conditions = []
-    for column, mine in ((JobRow.layers_key, serves.layers), (JobRow.model_key, serves.model)):
-        if mine is not None:
-            conditions.append(or_(column.is_(None), column == mine))
-    return conditions
+@dataclass(frozen=True)
+class _ClaimStatements:
+    job: Any  # the oldest job the worker may claim from that has a queued sample, locked
+    sample: Any  # that job's first queued sample, now running for the writer unless it runs one
+    counters: Any  # the job's counters (and state: running from its first claim), returning what the claim needs
+    attempt: Any  # the attempt's row
+
+
+@functools.cache
+def _claim(dialect: str, by_layers: bool, by_model: bool) -> _ClaimStatements:
+    # The queued rows themselves, not the n_queued counter, say whether a job has work: a job can
+    # never be picked for nothing while another waits.
+    has_queued = exists().where(_samples.c.job_id == _jobs.c.id, _samples.c.state == SampleState.QUEUED)
+    keys = ((_jobs.c.layers_key, "p_layers", by_layers), (_jobs.c.model_key, "p_model", by_model))
+    # hsx.matching: jobs of no key yet, or of the worker's own
+    runs_on = [or_(column.is_(None), column == bindparam(param)) for column, param, wanted in keys if wanted]
+    job = (
+        select(_jobs.c.id)
+        .where(_jobs.c.state.in_((JobState.QUEUED, JobState.RUNNING)), *runs_on, has_queued)
+        .order_by(_jobs.c.id)
+        .limit(1)
+        .with_for_update(of=_jobs)
+    )
+    pick = (
+        select(_samples.c.pk)
+        .where(_samples.c.job_id == bindparam("p_job"), _samples.c.state == SampleState.QUEUED)
+        .order_by(_samples.c.idx)
+        .limit(1)
+    )
+    if dialect == "postgresql":
+        pick = pick.with_for_update(skip_locked=True)
+    other = _samples.alias("other")
+    busy = exists().where(other.c.state == SampleState.RUNNING, other.c.writer == bindparam("p_writer"))
+    sample = (
+        update(_samples)
+        .where(_samples.c.pk == pick.scalar_subquery(), _samples.c.state == SampleState.QUEUED, ~busy)
+        .values(
+            state=SampleState.RUNNING,
+            writer=bindparam("p_writer"),
+            attempts=_samples.c.attempts + 1,
+            tries=_samples.c.tries + 1,
+            updated_at=_now_param(),
+        )
+        .returning(
+            _samples.c.pk,
+            _samples.c.idx,
+            _samples.c.sample_id,
+            _samples.c.input_ids,
+            _samples.c.loss_mask,
+            _samples.c.num_tokens,
+            _samples.c.attempts,
+            _samples.c.tries,
+        )
+    )
+    first = _jobs.c.state == JobState.QUEUED
+    counters = (
+        update(_jobs)
+        .where(_jobs.c.id == bindparam("p_job"))
+        .values(
+            n_queued=_jobs.c.n_queued - 1,
+            n_running=_jobs.c.n_running + 1,
+            state=case((first, JobState.RUNNING), else_=_jobs.c.state),
+            started_at=case((first, _now_param()), else_=_jobs.c.started_at),
+        )
+        .returning(_jobs.c.n_queued, _jobs.c.layers, _jobs.c.model_info)
+    )
+    attempt = (
+        insert(_attempts)
+        .values(
+            sample_pk=bindparam("p_pk"),
+            number=bindparam("p_number"),
+            writer=bindparam("p_writer"),
+            started_at=_now_param(),
+        )
+        .returning(_attempts.c.pk)
+    )
+    return _ClaimStatements(job, sample, counters, attempt)
 
 
 def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str | None = None, **fields) -> None:
-    session.execute(
-        update(AttemptRow)
-        .where(AttemptRow.pk == attempt_pk)
-        .values(outcome=outcome, reason=reason, finished_at=utcnow(), **fields)
+    params = {"p_pk": attempt_pk, "p_outcome": outcome, "p_reason": reason, "p_now": utcnow()}
+    session.execute(_attempt_close(tuple(sorted(fields))), params | {f"v_{k}": v for k, v in fields.items()})
+
+
+@functools.cache
+def _attempt_close(columns: tuple[str, ...]):
+    return (
+        update(_attempts)
+        .where(_attempts.c.pk == bindparam("p_pk"))
+        .values(
+            outcome=bindparam("p_outcome"),
+            reason=bindparam("p_reason"),
+            finished_at=_now_param(),
+            **{c: bindparam(f"v_{c}") for c in columns},
+        )
     )
 
 
@@ -538,6 +636,16 @@ def mark_staged(
     if moved:
         _count_throughput(session, c.job_id, samples=1, tokens=observed_tokens)
     return moved == 1
+
+
+def queued_left(session: Session, job_id: str) -> int:
+    """How many of the job's samples are queued (0 for a job that is gone)."""
+    return session.execute(_queued_count(), {"p_job": job_id}).scalar() or 0
+
+
+@functools.cache
+def _queued_count():
+    return select(_jobs.c.n_queued).where(_jobs.c.id == bindparam("p_job"))
 
 
 def _requeue_state(session: Session, job_id: str) -> SampleState:
@@ -718,8 +826,8 @@ def commit_shard(
     session: Session, job_id: str, *, name: str, nbytes: int, sha256: str, placed: list[tuple[int, int, int]]
 ) -> None:
     """Record a written shard and mark its samples succeeded. `placed`: (pk, offset, tokens)."""
-    session.add(
-        ShardRow(
+    session.execute(
+        insert(ShardRow).values(
             job_id=job_id,
             name=name,
             bytes=nbytes,
@@ -729,17 +837,20 @@ def commit_shard(
             created_at=utcnow(),
         )
     )
-    for pk, offset, _ in placed:
+    # In parts, each within any database's limit on parameters (three a sample: pk twice, offset).
+    for start in range(0, len(placed), PKS_PER_QUERY // 2):
+        part = placed[start : start + PKS_PER_QUERY // 2]
         moved = _transition(
             session,
             job_id,
-            [pk],
+            [pk for pk, _, _ in part],
             SampleState.STAGED,
             SampleState.SUCCEEDED,
-            {"shard": name, "shard_offset": offset, "staged_path": None},
+            {"shard": name, "staged_path": None},
+            per_sample={"shard_offset": {pk: offset for pk, offset, _ in part}},
         )
-        if moved != 1:
-            raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
+        if moved != len(part):
+            raise RuntimeError(f"job {job_id}: {len(part) - moved} samples left the staged state during {name}")
 
 
 # --- reads for the API ----------------------------------------------------------------------
@@ -809,15 +920,30 @@ def _count_throughput(session: Session, job_id: str, *, samples: int, tokens: in
     """Add to the job's bucket for now. Callers hold the job's row lock (_transition takes it), so no
     other transaction can insert the same bucket between the UPDATE and the INSERT."""
     start = int(time.time()) // THROUGHPUT_BUCKET_S * THROUGHPUT_BUCKET_S
-    row = (ThroughputRow.job_id == job_id, ThroughputRow.bucket_start == start)
+    params = {"p_job": job_id, "p_start": start, "p_samples": samples, "p_tokens": tokens}
+    added, first = _throughput_count()
+    if _rowcount(session.execute(added, params)) == 0:
+        session.execute(first, params)
+
+
+@functools.cache
+def _throughput_count():
+    """(add to an existing bucket, start a new one)."""
+    row = (_throughput.c.job_id == bindparam("p_job"), _throughput.c.bucket_start == bindparam("p_start"))
     added = (
-        update(ThroughputRow)
+        update(_throughput)
         .where(*row)
-        .values(samples=ThroughputRow.samples + samples, tokens=ThroughputRow.tokens + tokens)
+        .values(
+            samples=_throughput.c.samples + bindparam("p_samples"), tokens=_throughput.c.tokens + bindparam("p_tokens")
+        )
     )
-    if _rowcount(session.execute(added)) == 0:
-        session.add(ThroughputRow(job_id=job_id, bucket_start=start, samples=samples, tokens=tokens))
-        session.flush()
+    first = insert(_throughput).values(
+        job_id=bindparam("p_job"),
+        bucket_start=bindparam("p_start"),
+        samples=bindparam("p_samples"),
+        tokens=bindparam("p_tokens"),
+    )
+    return added, first
 
 
 @dataclass(frozen=True)
@@ -935,13 +1061,19 @@ def check_lease(session: Session, identity: str, epoch: int) -> None:
     current. Taken first in the transaction. On Postgres it holds FOR KEY SHARE on the writer's row:
     a takeover (FOR UPDATE) waits for transactions already past the check, while the heartbeat's
     renewal (an UPDATE of no key column) does not wait for them."""
-    q = select(WriterRow.epoch).where(
-        WriterRow.identity == identity, WriterRow.epoch == epoch, WriterRow.lease_expires_at > utcnow()
-    )
-    if session.get_bind().dialect.name == "postgresql":
-        q = q.with_for_update(read=True, key_share=True)
-    if session.execute(q).first() is None:
+    lease = {"p_identity": identity, "p_epoch": epoch, "p_now": utcnow()}
+    if session.execute(_lease_check(_dialect(session)), lease).first() is None:
         raise LeaseLost(f"writer {identity}: lease {epoch} is no longer current", epoch)
+
+
+@functools.cache
+def _lease_check(dialect: str):
+    q = select(_writers.c.epoch).where(
+        _writers.c.identity == bindparam("p_identity"),
+        _writers.c.epoch == bindparam("p_epoch"),
+        _writers.c.lease_expires_at > _now_param(),
+    )
+    return q.with_for_update(read=True, key_share=True) if dialect == "postgresql" else q
 
 
 def renew_lease(

@@ -144,15 +144,17 @@ class ShardFlusher:
             self._room.wait(timeout=1.0)
             return self._staged.waiting_bytes < self.max_staged_bytes
 
-    def settle(self, job_id: str) -> None:
+    def settle(self, job_id: str, queued: int | None = None) -> None:
         """After a sample's outcome: once no queued sample is left, the job's last shard may be due;
         a job with nothing here waiting or being written is finished if that was the last of it
-        (otherwise the flusher that writes its last shard finishes it)."""
-        job = self._job(job_id)
-        drained = job is not None and job.n_queued == 0
+        (otherwise the flusher that writes its last shard finishes it). `queued`: the job's queued
+        samples as the outcome was recorded, when known (else they are read)."""
+        if queued is None:
+            job = self._job(job_id)
+            queued = job.n_queued if job is not None else 0
         with self._lock:
             held = self._staged.holds(job_id)
-            if held and drained:
+            if held and queued == 0:
                 self._changed()
         if not held:
             self._finish(job_id)

@@ -110,8 +110,7 @@ class RequestLoop:
             # Nothing left to claim: the flushers look whether the job's staged samples fill a shard;
             # the rest waits for the requests still running, to go to the job's last shard with them.
             self.flusher.wake()
-        self._process(claimed, extractor, serves)
-        self.flusher.settle(claimed.job_id)
+        self.flusher.settle(claimed.job_id, queued=self._process(claimed, extractor, serves))
         return True
 
     def _extractor(self) -> SampleExtractor | None:
@@ -124,7 +123,9 @@ class RequestLoop:
             self.report.set(verdict.state, verdict.reason)
         return extractor
 
-    def _process(self, c: repo.Claimed, extractor: SampleExtractor, serves: Serves) -> None:
+    def _process(self, c: repo.Claimed, extractor: SampleExtractor, serves: Serves) -> int | None:
+        """Run the claimed sample to its outcome; returns how many of its job's samples are queued
+        when it was staged (None when it was not)."""
         ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
         rid = f"{extractor.capture.rid_prefix}{c.job_id}-{c.idx}-t{c.try_number}"
         info = c.job_model_info or {}
@@ -139,7 +140,7 @@ class RequestLoop:
             self.server.lost()
             why = f"model server unavailable: {exc}"
             self.db.run(lambda s: repo.release_interrupted(s, c, reason=why))
-            return
+            return None
         except Exception as exc:  # any other failure is this attempt's, recorded, never a stuck sample
             if isinstance(exc, DumpRejected):
                 reason = f"{exc.code}: {exc.reason}"
@@ -153,7 +154,7 @@ class RequestLoop:
                 lambda s: repo.record_failed_attempt(s, c, reason=reason, max_attempts=self.settings.max_attempts)
             )
             log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
-            return
+            return None
         self.metrics.backend_latency(time.monotonic() - started)
         meta = dump.meta
         model = dict(
@@ -163,12 +164,12 @@ class RequestLoop:
             dtype=meta["dtype"],
         )
 
-        def stage(s: Session) -> bool:
+        def stage(s: Session) -> int | None:
             if c.job_model_info is None and repo.set_job_model_info(s, c.job_id, model, serves) != model:
                 # Another worker stored the job's first sample meanwhile, from another model or
                 # other layers: the sample is not at fault and goes back for a worker that matches.
                 repo.release_interrupted(s, c, reason="the job's model was recorded meanwhile from another worker")
-                return False
+                return None
             repo.mark_staged(
                 s,
                 c,
@@ -178,20 +179,21 @@ class RequestLoop:
                 dump_key=dump.key,
                 boot_id=meta.get("boot_id"),
             )
-            return True
+            return repo.queued_left(s, c.job_id)
 
         try:
-            recorded = self.db.run(stage)
+            queued = self.db.run(stage)
         except repo.LeaseLost:
             shutil.rmtree(dump.path, ignore_errors=True)  # the sample is someone else's now
             raise
-        if not recorded:
+        if queued is None:
             shutil.rmtree(dump.path, ignore_errors=True)
-            return
+            return None
         self.metrics.attempt("ok")
         self.metrics.extracted(dump.num_tokens, dump.nbytes)
         # Only after the commit: a flush that started before it must not have swallowed this sample.
         self.flusher.staged(c.job_id, c.sample_pk, dump.nbytes)
+        return queued
 
     def _sweep(self, extractor: SampleExtractor) -> None:
         if extractor.capture.source != "dumps" or extractor.capture.name_by != "rid":

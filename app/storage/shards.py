@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
-from concurrent.futures import ThreadPoolExecutor
+import os
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +21,9 @@ from hsx.dtypes import DTYPES
 from hsx.storage.atomic import atomic_file
 from hsx.storage.finite import FiniteCheck
 from hsx.storage.safetensors_raw import TensorSpan, encode_header
-from hsx.storage.sink import BufferedSink, DirectSink, open_sink
+from hsx.storage.sink import PIECE_BYTES, BufferedSink, DirectSink, open_sink
 
 SHARD_FORMAT = "hsx-shard/1"
-COPY_CHUNK = 8 * 1024 * 1024
 
 
 @dataclass
@@ -64,49 +62,73 @@ def shard_name(number: int) -> str:
     return f"shard-{number:06d}.safetensors"
 
 
-class _HashingSink:
-    """A sink in front of a sink: passes each chunk on and hashes it. The hash of a chunk runs on a
-    helper thread while this thread checks and writes the same chunk (all of them release the GIL),
-    so a shard costs about the longest of the three, not their sum."""
+class _Out:
+    """The shard's bytes on their way to the sink, hashed (one sha256 stream) and counted. A layer's
+    bytes go in pieces of at most PIECE_BYTES: read from their file straight into the sink's buffer,
+    then checked and hashed while the piece is still in the processor's cache, then handed on. The
+    flusher's own thread does all of it (several flushers use several cores); only the disk writes
+    run on the sink's helper thread, so the disk stays busy meanwhile."""
 
-    def __init__(self, sink: BufferedSink | DirectSink, hasher: ThreadPoolExecutor):
+    def __init__(self, sink: BufferedSink | DirectSink):
         self.sink = sink
         self.sha = hashlib.sha256()
-        self.hasher = hasher
         self.count = 0
 
-    def write(self, data: bytes | memoryview, check: Callable[[bytes | memoryview], bool] | None = None) -> bool:
-        """Write `data` unless `check` (run while the chunk is hashed) refuses it; returns whether written."""
-        hashed = self.hasher.submit(self.sha.update, data)
-        try:
-            if check is not None and not check(data):
-                return False
-            self.sink.write(data)
-        finally:
-            hashed.result()  # in order, and `data` stays valid until both are done with it
+    def write(self, data: bytes | memoryview) -> None:
+        self.sha.update(data)
+        self.sink.write(data)
         self.count += len(data)
+
+    def layer(self, src: TensorSpan | bytes, files: dict[Path, int], check: Callable[[memoryview], bool]) -> bool:
+        """Write a layer's bytes unless `check` refuses a piece of them; returns whether written."""
+        if not isinstance(src, TensorSpan):
+            with memoryview(src) as view:
+                for at in range(0, len(view), PIECE_BYTES):
+                    with view[at : at + PIECE_BYTES] as piece:
+                        if not check(piece):
+                            return False
+                        self.write(piece)
+            return True
+        fd = _opened(src.path, files)
+        at = src.start
+        while at < src.end:
+            room = self.sink.room(src.end - at)
+            n = os.preadv(fd, [room], at)
+            if n < len(room):  # a file read short only where it ends
+                raise OSError(f"{src.path}: ended before its tensor did")
+            with room[:n] as piece:
+                if not check(piece):
+                    return False
+                self.sha.update(piece)
+            self.sink.advance(n)
+            self.count += n
+            at += n
         return True
 
 
-def _chunks(src: TensorSpan | bytes, maps: dict[Path, mmap.mmap]):
-    """A layer's bytes in COPY_CHUNK pieces; a span is read through a mapping of its file, so the
-    bytes are checked, hashed and written without a copy of our own."""
+def _opened(path: Path, files: dict[Path, int]) -> int:
+    fd = files.get(path)
+    if fd is None:
+        fd = files[path] = os.open(path, os.O_RDONLY)
+    return fd
+
+
+def _check_only(src: TensorSpan | bytes, files: dict[Path, int], check: Callable[[memoryview], bool]) -> bool:
+    """Whether every value of a layer is finite, reading without writing (the shard is not written)."""
     if not isinstance(src, TensorSpan):
         with memoryview(src) as view:
-            for start in range(0, len(view), COPY_CHUNK):
-                with view[start : start + COPY_CHUNK] as chunk:
-                    yield chunk
-        return
-    mm = maps.get(src.path)
-    if mm is None:
-        with open(src.path, "rb") as f:
-            mm = maps[src.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if src.end > len(mm):
-        raise OSError(f"{src.path}: ended before its tensor did")
-    with memoryview(mm) as view:
-        for start in range(src.start, src.end, COPY_CHUNK):
-            with view[start : min(start + COPY_CHUNK, src.end)] as chunk:
-                yield chunk
+            return check(view)
+    fd = _opened(src.path, files)
+    scratch = memoryview(bytearray(PIECE_BYTES))
+    at = src.start
+    while at < src.end:
+        n = os.preadv(fd, [scratch[: min(PIECE_BYTES, src.end - at)]], at)
+        if n < min(PIECE_BYTES, src.end - at):
+            raise OSError(f"{src.path}: ended before its tensor did")
+        if not check(scratch[:n]):
+            return False
+        at += n
+    return True
 
 
 def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int) -> ShardInfo:
@@ -140,14 +162,10 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
         "sample_ids": json.dumps([s.sample_id for s in samples]),
         "offsets": json.dumps(offsets),
     }
-    maps: dict[Path, mmap.mmap] = {}
+    files: dict[Path, int] = {}
     try:
-        with (
-            atomic_file(path) as f,
-            ThreadPoolExecutor(1, thread_name_prefix="hsx-sha256") as hasher,
-            closing(open_sink(f)) as sink,
-        ):
-            out = _HashingSink(sink, hasher)
+        with atomic_file(path) as f, closing(open_sink(f)) as sink:
+            out = _Out(sink)
             out.write(encode_header(entries, metadata))
             out.write(np.concatenate([s.input_ids for s in samples]).astype("<i8").tobytes())
             out.write(np.concatenate([s.loss_mask for s in samples]).astype("<i8").tobytes())
@@ -157,17 +175,13 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
                 for s in samples:
                     if s.sample_id in bad:
                         continue
-                    # closing(): a chunk stops being a view of the mapping before the mapping is closed
-                    with closing(_chunks(s.layers[layer], maps)) as chunks:
-                        for chunk in chunks:
-                            if not (finite(chunk) if bad else out.write(chunk, check=finite)):
-                                bad[s.sample_id] = f"layer_{layer} holds NaN or Inf"
-                                break
+                    if not (_check_only if bad else out.layer)(s.layers[layer], files, finite):
+                        bad[s.sample_id] = f"layer_{layer} holds NaN or Inf"
             if bad:
                 raise NonFiniteSamples(bad)
             sink.finish()
             size, digest = out.count, out.sha.hexdigest()
     finally:
-        for m in maps.values():
-            m.close()
+        for fd in files.values():
+            os.close(fd)
     return ShardInfo(path.name, size, digest, len(samples), total, offsets)

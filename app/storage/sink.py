@@ -11,6 +11,10 @@ to a whole block, then the file is cut to its true length.
 
 A file system that refuses O_DIRECT (at open, or at a first aligned write) gets the buffered sink.
 Either way the caller's fsync makes the file durable and reports any write error the sink did not.
+
+Bytes already in memory are given to write(); bytes read from a file are read straight into the
+sink's own buffer (room(), then advance() once they are checked), so they are copied once, by the
+kernel's read, and checked and hashed there while they are still in the processor's cache.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ BLOCK = 4096  # alignment that satisfies any device's logical block size
 REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)  # how a file system says no to direct I/O
 BUFFER_BYTES = 8 * 1024 * 1024
 WRITEBACK_EVERY = 32 * 1024 * 1024
+PIECE_BYTES = 1024 * 1024  # the most room() gives at once: read, checked and hashed while in cache
 
 
 class BufferedSink:
@@ -38,6 +43,14 @@ class BufferedSink:
         self.f = f
         self.count = 0
         self.flushed = 0
+        self.scratch = memoryview(bytearray(PIECE_BYTES))
+
+    def room(self, n: int) -> memoryview:
+        """A buffer for up to `n` bytes that advance() then writes (it may be shorter than `n`)."""
+        return self.scratch[: min(n, PIECE_BYTES)]
+
+    def advance(self, n: int) -> None:
+        self.write(self.scratch[:n])
 
     def write(self, data) -> None:
         self.f.write(data)
@@ -68,6 +81,7 @@ class DirectSink:
     def __init__(self, fd: int):
         self.fd = fd
         self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(2)]  # anonymous maps are page-aligned
+        self.views = [memoryview(b) for b in self.buffers]
         self.writes: list[Future | None] = [None, None]
         self.io = ThreadPoolExecutor(1, thread_name_prefix="hsx-direct-io")
         self.current = 0
@@ -81,17 +95,25 @@ class DirectSink:
         with memoryview(self.buffers[0]) as view, view[:BLOCK] as block:
             os.pwrite(self.fd, block, 0)
 
+    def room(self, n: int) -> memoryview:
+        """Where the next up to `n` bytes go: the rest of the current buffer (at most PIECE_BYTES of
+        it), for advance() to take once they are there."""
+        end = self.used + min(n, PIECE_BYTES, BUFFER_BYTES - self.used)
+        return self.views[self.current][self.used : end]
+
+    def advance(self, n: int) -> None:
+        self.used += n
+        if self.used == BUFFER_BYTES:
+            self._submit(BUFFER_BYTES)
+
     def write(self, data) -> None:
         with memoryview(data) as view, view.cast("B") as src:
             taken = 0
             while taken < len(src):
-                buffer = self.buffers[self.current]
-                n = min(len(src) - taken, BUFFER_BYTES - self.used)
-                buffer[self.used : self.used + n] = src[taken : taken + n]
-                self.used += n
-                taken += n
-                if self.used == BUFFER_BYTES:
-                    self._submit(BUFFER_BYTES)
+                room = self.room(len(src) - taken)
+                room[:] = src[taken : taken + len(room)]
+                taken += len(room)
+                self.advance(len(room))
 
     def _submit(self, length: int) -> None:
         self.writes[self.current] = self.io.submit(
@@ -125,8 +147,13 @@ class DirectSink:
                 pass  # the error already reached the caller through write() or finish()
         self.io.shutdown()
         os.close(self.fd)
+        for view in self.views:
+            view.release()
         for buffer in self.buffers:
-            buffer.close()
+            try:
+                buffer.close()
+            except BufferError:
+                pass  # a piece of it still held (by an exception's traceback): freed along with that
 
 
 def open_sink(f: BinaryIO) -> BufferedSink | DirectSink:

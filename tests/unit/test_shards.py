@@ -429,20 +429,24 @@ def test_non_finite_samples_are_named_and_no_shard_is_left(tmp_path):
 def test_direct_and_buffered_writes_give_the_same_shard(tmp_path, monkeypatch):
     """Where the file system takes O_DIRECT a shard goes straight to disk through two aligned buffers
     in turn, its tail padded to a block and cut back; elsewhere it goes through the page cache. A shard
-    of several buffers and an unaligned length comes out byte for byte the same either way."""
+    of several buffers and an unaligned length comes out byte for byte the same either way, its
+    layers from memory and from files (read piece by piece into the sink's buffer, across buffers)."""
     rng = np.random.default_rng(0)
     layers, hidden = [1, 2], 4096
-    samples = []
+    samples, tensors = [], []
     for k, n in enumerate([900, 1201, 7]):
         ids = np.arange(n, dtype=np.int64) + 10_000 * k
-        samples.append(
-            ShardSample(
-                f"s{k}",
-                ids,
-                np.ones(n, dtype=np.int64),
-                {i: rng.standard_normal((n, hidden)).astype(np.float16).tobytes() for i in layers},
-            )
-        )
+        values = {i: torch.from_numpy(rng.standard_normal((n, hidden)).astype(np.float16)) for i in layers}
+        tensors.append(values)
+        if k == 1:  # from a dump file: spans larger than a piece, starting at an unaligned offset
+            path = tmp_path / "dump.safetensors"
+            save_file({"aaa_pad": torch.ones(3, dtype=torch.int8), **{f"layer_{i}": values[i] for i in layers}}, path)
+            index = read_index(path)
+            sources = {i: index[f"layer_{i}"] for i in layers}
+            assert all(sp.nbytes > sink.PIECE_BYTES and sp.start % sink.BLOCK for sp in sources.values())
+        else:
+            sources = {i: raw(values[i]) for i in layers}
+        samples.append(ShardSample(f"s{k}", ids, np.ones(n, dtype=np.int64), sources))
     direct = write_shard(tmp_path / "direct" / shard_name(0), samples, layers, "float16", hidden)
     assert direct.bytes > 2 * sink.BUFFER_BYTES and direct.bytes % sink.BLOCK
     monkeypatch.setattr(shards, "open_sink", sink.BufferedSink)
@@ -453,7 +457,8 @@ def test_direct_and_buffered_writes_give_the_same_shard(tmp_path, monkeypatch):
     assert direct.sha256 == buffered.sha256 == hashlib.sha256(a).hexdigest()
     loaded = load_file(str(tmp_path / "direct" / shard_name(0)))
     assert np.array_equal(loaded["input_ids"].numpy(), np.concatenate([s.input_ids for s in samples]))
-    assert loaded["layer_2"][900:2101].contiguous().view(torch.uint8).numpy().tobytes() == samples[1].layers[2]
+    for i in layers:
+        assert torch.equal(loaded[f"layer_{i}"], torch.cat([t[i] for t in tensors]))
 
 
 def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
@@ -474,3 +479,19 @@ def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(tmp_path, m
     assert refused == [0]
     assert (tmp_path / "b" / shard_name(0)).read_bytes() == (tmp_path / "a" / shard_name(0)).read_bytes()
     assert info.sha256 == expected.sha256
+
+
+@pytest.mark.parametrize("after_bad", [False, True])
+def test_a_dump_cut_short_after_it_was_indexed_fails_the_shard(tmp_path, after_bad):
+    """A staged file shorter than its header says (cut after validation) is an error, not a shard with
+    bytes missing; also when it is only being checked because an earlier sample was not finite."""
+    fx = Fixture(tmp_path / "src", "float32")
+    if after_bad:
+        nan = torch.full((5, HIDDEN), float("nan"))
+        fx.samples[1].layers[LAYERS[0]] = raw(nan)
+    span = fx.samples[2].layers[LAYERS[0]]
+    os.truncate(span.path, span.end - 3)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="ended before its tensor did"):
+        write_shard(out / shard_name(0), fx.samples, LAYERS, "float32", HIDDEN)
+    assert dir_listing(out) == []
