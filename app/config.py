@@ -40,8 +40,9 @@ def parse_tokens(spec: str) -> dict[str, str]:
 
 MiB = 1024 * 1024
 
-# Each shard flusher writes on a core of its own and hashes on a second thread: more than this many
-# rarely find a disk that takes them all, and each holds up to a shard's worth of staging while it writes.
+# Each shard flusher reads, checks and hashes on one core (its disk writes wait on a helper thread):
+# more than this many rarely find a disk that takes them all, and each holds up to a shard's worth of
+# staging while it writes.
 MAX_DEFAULT_FLUSHERS = 8
 
 
