@@ -104,7 +104,7 @@ def disk_write_rates(folder: Path, total_bytes: int) -> tuple[float, float]:
 
 def minimum_cost(shm: Path, folder: Path, total_bytes: int) -> dict:
     """What persisting `total_bytes` cannot cost less than: one thread reads them from a file in
-    /dev/shm (through a mapping, as the service reads dumps), hashes them once (sha256) and writes
+    /dev/shm (through a mapping: no copy of its own), hashes them once (sha256) and writes
     them with O_DIRECT straight from the mapping to a file on the output disk, then fsyncs. Returns
     that thread's CPU seconds per GB and its rate in GB/s."""
     src, dst = shm / "minimum-src.tmp", folder / "minimum-dst.tmp"
