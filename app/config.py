@@ -40,19 +40,20 @@ def parse_tokens(spec: str) -> dict[str, str]:
 
 MiB = 1024 * 1024
 
-# Each shard flusher reads, checks and hashes on one core (its disk writes wait on a helper thread):
-# more than this many rarely find a disk that takes them all, and each holds up to a shard's worth of
-# staging while it writes.
+# Each shard flusher reads, checks and hashes on one core, then waits while the disk takes its writes:
+# two per core keep both the cores and the disk busy. More than this many rarely find a disk that takes
+# them all, and each holds up to a shard's worth of staging while it writes.
+FLUSHERS_PER_CORE = 2
 MAX_DEFAULT_FLUSHERS = 8
 
 
 def default_flushers() -> int:
-    """One shard flusher per core this process may run on, at most MAX_DEFAULT_FLUSHERS, at least one."""
+    """Two shard flushers per core this process may run on, at most MAX_DEFAULT_FLUSHERS."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_DEFAULT_FLUSHERS))
+    return max(1, min(FLUSHERS_PER_CORE * cores, MAX_DEFAULT_FLUSHERS))
 
 
 class Settings(BaseSettings):
@@ -94,8 +95,8 @@ class Settings(BaseSettings):
     flushers: int = Field(
         default_flushers(),
         ge=1,
-        description="threads writing shards at once, each a shard of its own (sha256 and all); the default is one "
-        f"per core available to the process, at most {MAX_DEFAULT_FLUSHERS}",
+        description="threads writing shards at once, each a shard of its own (sha256 and all); the default is "
+        f"{FLUSHERS_PER_CORE} per core available to the process, at most {MAX_DEFAULT_FLUSHERS}",
     )
     max_attempts: int = Field(3, description="attempts per sample before it is failed")
     cancel_batch: int = Field(

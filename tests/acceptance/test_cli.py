@@ -19,7 +19,7 @@ import pytest
 from hsx import cli
 from hsx.cli import serve
 from hsx.cli.client.common import Progress
-from hsx.config import MAX_DEFAULT_FLUSHERS, Settings
+from hsx.config import FLUSHERS_PER_CORE, MAX_DEFAULT_FLUSHERS, Settings
 from hsx.sdk import HsxClient
 from pydantic import ValidationError
 
@@ -97,7 +97,7 @@ def test_serve_settings_flags_win_over_environment(monkeypatch):
     settings = serve.settings_from_args(parser.parse_args(["serve", "--port", "9001", "--dump-root", "/tmp/d"]))
     assert settings.port == 9001 and settings.max_attempts == 5 and settings.dump_root == Path("/tmp/d")
     assert settings.run_writer and settings.staging_dir is None and settings.shard_max_wait_s == 10.0
-    assert settings.flushers == max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_FLUSHERS))
+    assert settings.flushers == min(FLUSHERS_PER_CORE * len(os.sched_getaffinity(0)), MAX_DEFAULT_FLUSHERS)
     assert not serve.settings_from_args(parser.parse_args(["serve", "--no-writer"])).run_writer
     monkeypatch.setenv("HSX_RUN_WRITER", "false")
     assert not serve.settings_from_args(parser.parse_args(["serve"])).run_writer
