@@ -14,7 +14,7 @@ import os
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Generator
 
 import numpy as np
 from hsx.dtypes import DTYPES
@@ -89,28 +89,31 @@ class _Out:
                             return False
                         self.write(piece)
             return True
-        fd = _opened(src.path, files)
-        at = src.start
-        while at < src.end:
-            room = self.sink.room(src.end - at)
-            n = os.preadv(fd, [room], at)
-            if n < len(room):  # a file read short only where it ends
-                raise OSError(f"{src.path}: ended before its tensor did")
-            with room[:n] as piece:
+        with closing(_read(src, files, self.sink.room)) as pieces:
+            for piece in pieces:
                 if not check(piece):
                     return False
                 self.sha.update(piece)
-            self.sink.advance(n)
-            self.count += n
-            at += n
+                self.sink.advance(len(piece))
+                self.count += len(piece)
         return True
 
 
-def _opened(path: Path, files: dict[Path, int]) -> int:
-    fd = files.get(path)
+Room = Callable[[int], memoryview]  # a buffer for up to that many bytes (it may be shorter)
+
+
+def _read(src: TensorSpan, files: dict[Path, int], room: Room) -> Generator[memoryview, None, None]:
+    """A span's bytes, read piece by piece into what `room(bytes still to read)` gives."""
+    fd = files.get(src.path)
     if fd is None:
-        fd = files[path] = os.open(path, os.O_RDONLY)
-    return fd
+        fd = files[src.path] = os.open(src.path, os.O_RDONLY)
+    at = src.start
+    while at < src.end:
+        piece = room(src.end - at)
+        if os.preadv(fd, [piece], at) < len(piece):  # a file reads short only where it ends
+            raise OSError(f"{src.path}: ended before its tensor did")
+        yield piece
+        at += len(piece)
 
 
 def _check_only(src: TensorSpan | bytes, files: dict[Path, int], check: Callable[[memoryview], bool]) -> bool:
@@ -118,17 +121,9 @@ def _check_only(src: TensorSpan | bytes, files: dict[Path, int], check: Callable
     if not isinstance(src, TensorSpan):
         with memoryview(src) as view:
             return check(view)
-    fd = _opened(src.path, files)
     scratch = memoryview(bytearray(PIECE_BYTES))
-    at = src.start
-    while at < src.end:
-        n = os.preadv(fd, [scratch[: min(PIECE_BYTES, src.end - at)]], at)
-        if n < min(PIECE_BYTES, src.end - at):
-            raise OSError(f"{src.path}: ended before its tensor did")
-        if not check(scratch[:n]):
-            return False
-        at += n
-    return True
+    with closing(_read(src, files, lambda n: scratch[: min(n, PIECE_BYTES)])) as pieces:
+        return all(check(piece) for piece in pieces)
 
 
 def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int) -> ShardInfo:
