@@ -36,7 +36,12 @@ from sqlalchemy.orm import Session
 
 log = logging.getLogger("hsx.writer")
 
+# An idle writer asks the database for work IDLE_POLL_S after finding none, then ever less often, up
+# to IDLE_POLL_MAX_S: jobs created in this process wake it at once (notify_work); those created
+# elsewhere (another API process, on Postgres) are found within IDLE_POLL_MAX_S, and an idle writer
+# with many slots does not ask the database dozens of times a second.
 IDLE_POLL_S = 0.2
+IDLE_POLL_MAX_S = 2.0
 # rid mode: completed dumps nobody waits for (warm-up, health checks, other clients) are swept.
 SWEEP_EVERY_S = 60.0
 SWEEP_AGE_S = 120.0
@@ -69,10 +74,19 @@ class RequestLoop:
         self.metrics = metrics
         self.stop = stop
         self._work = threading.Event()  # set when a job may have new queued samples
+        self._idle_lock = threading.Lock()
+        self._empty_claims = 0  # claims that found nothing since work was last found, all slots together
         self._swept_at = 0.0
 
     def notify_work(self) -> None:
+        with self._idle_lock:
+            self._empty_claims = 0
         self._work.set()
+
+    def _idle_wait_s(self) -> float:
+        with self._idle_lock:
+            self._empty_claims += 1
+            return min(IDLE_POLL_MAX_S, IDLE_POLL_S * 2 ** min(self._empty_claims - 1, 8))
 
     def slot_identity(self, slot: int) -> str:
         return self.identity if slot == 0 else f"{self.identity}#{slot}"
@@ -103,9 +117,11 @@ class RequestLoop:
         if claimed is None:
             if slot == 0:
                 self._sweep(extractor)
-            if self._work.wait(IDLE_POLL_S):
+            if not self.stop.is_set() and self._work.wait(self._idle_wait_s()):
                 self._work.clear()
             return False
+        if self._empty_claims:
+            self.notify_work()  # work again after idling: the other slots look now, not at their next poll
         if claimed.queued_left == 0:
             # Nothing left to claim: the flushers look whether the job's staged samples fill a shard;
             # the rest waits for the requests still running, to go to the job's last shard with them.

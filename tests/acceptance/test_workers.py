@@ -232,6 +232,10 @@ def test_a_job_runs_only_on_workers_of_its_model_and_layers(tmp_path, postgres_u
         wait_for(lambda: {k for k, w in workers(api).items() if w["state"] == "ready"} == {"a", "b"})
         listed = workers(api)
         assert listed["a"]["model_key"] != listed["b"]["model_key"], "different shapes are different models"
+        table = subprocess.run(hsx_command() + ["workers", "--url", api], capture_output=True, text=True, check=True)
+        rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:]}
+        for w in listed.values():  # each row names its worker's own model key, so two models tell apart
+            assert f"({w['model_key'][:12]})" in rows[w["identity"]], table.stdout
 
         rng = random.Random(6)
         jobs = {

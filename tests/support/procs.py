@@ -56,6 +56,7 @@ class Process:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"{self.args[:3]} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
                 if ok(httpx.get(url, timeout=2.0)):
@@ -63,6 +64,9 @@ class Process:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        # A process that never answered is of no use to the caller, who holds no handle to stop
+        # it yet: stop it here, or it outlives the test on its port.
+        self.stop()
         raise TimeoutError(f"{url} not ready after {timeout}s:\n{self.log()[-4000:]}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

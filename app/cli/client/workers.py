@@ -7,10 +7,13 @@ import argparse
 from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run, table, when
 
 NAME = "workers"
+KEY_CHARS = 12  # of a model key, in the table: enough to tell the models of one service apart
 HELP = "list the writers (workers) and their model servers, state and lease"
 DESCRIPTION = f"""List every writer that registered with the service's database (`hsx worker`, or `hsx serve`
-with its writer): identity, state, model server, layers, last heartbeat, tokens per second, and why
-it is not ready. A worker whose lease expired shows state lost: its samples went back to the queue.
+with its writer): identity, state, model server, model (the path its server reports, then the first
+characters of its model key: a job goes only to workers of one model key), layers, last heartbeat,
+tokens per second, and why it is not ready. A worker whose lease expired shows state lost: its
+samples went back to the queue.
 --json prints a JSON array.
 {ENV_NOTE}
 
@@ -35,6 +38,7 @@ def main(args: argparse.Namespace) -> int:
                 w.identity,
                 w.state,
                 w.backend_url or "",
+                model_cell(w.model_path, w.model_key),
                 ",".join(map(str, w.layers or [])),
                 when(w.heartbeat_at),
                 f"{w.tokens_per_s or 0:.0f}",
@@ -42,7 +46,14 @@ def main(args: argparse.Namespace) -> int:
             ]
             for w in workers
         ]
-        table(rows, ["WORKER", "STATE", "SERVER", "LAYERS", "HEARTBEAT", "TOK/S", "REASON"])
+        table(rows, ["WORKER", "STATE", "SERVER", "MODEL", "LAYERS", "HEARTBEAT", "TOK/S", "REASON"])
         return 0
 
     return run(args, body)
+
+
+def model_cell(path: str | None, key: str | None) -> str:
+    """The model's path and the start of its key: two workers of one path may still serve
+    different models (another shape or revision), and the key is what jobs are matched on."""
+    short = f"({key[:KEY_CHARS]})" if key else ""
+    return " ".join(filter(None, [path, short]))
