@@ -39,6 +39,16 @@ def finish_job(session: Session, job_id: str, output_root: Path) -> JobState | N
     return final if repo.finish_job_if_done(session, job_id) else None
 
 
+def remove_leftovers(session: Session, job_id: str, output_root: Path) -> None:
+    """Once a job is finished, nothing can still be writing into it: drop the temp files and the
+    shards a crash left unrecorded in its folder. Whoever ended the job calls it (a writer, or a
+    cancel sweeper in any process); a writer also drops the job's staging folder, on its own node."""
+    known = {sh.name for sh in repo.job_shards(session, job_id)}
+    for p in job_dir(output_root, job_id).glob("*"):
+        if (p.name.startswith(".") and ".tmp-" in p.name) or (p.suffix == ".safetensors" and p.name not in known):
+            p.unlink(missing_ok=True)
+
+
 class JobFinisher:
     def __init__(self, output_root: Path, staging: Path, db: Database, pause: DiskPause):
         self.output_root = output_root
@@ -71,8 +81,8 @@ class JobFinisher:
         with self._lock:
             self._due.discard(job_id)
         if final:
-            known = {sh.name for sh in self.db.run(lambda s: repo.job_shards(s, job_id))}
-            self._remove_leftovers(job_id, known)
+            self.db.run(lambda s: remove_leftovers(s, job_id, self.output_root))
+            shutil.rmtree(self.staging / job_id, ignore_errors=True)
             log.info("job %s %s; manifest at %s", job_id, final, job_dir(self.output_root, job_id))
         return final
 
@@ -81,12 +91,3 @@ class JobFinisher:
             due = list(self._due)
         for job_id in due:
             self.finish(job_id)
-
-    def _remove_leftovers(self, job_id: str, known: set[str]) -> None:
-        """Once a job is finished, nothing can still be writing into it: drop temp files and shards
-        a crash left unrecorded, and its staging folder."""
-        folder = job_dir(self.output_root, job_id)
-        for p in folder.glob("*"):
-            if (p.name.startswith(".") and ".tmp-" in p.name) or (p.suffix == ".safetensors" and p.name not in known):
-                p.unlink(missing_ok=True)
-        shutil.rmtree(self.staging / job_id, ignore_errors=True)

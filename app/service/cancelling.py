@@ -3,7 +3,8 @@
 `POST /v1/jobs/{id}/cancel` only marks the job `cancelling`, so that it answers at once whatever the
 job's size. A CancelSweeper then cancels the job's queued samples, --cancel-batch of them per
 transaction (each takes the job row, then its samples, as every path that moves samples does), and
-ends the job (manifest, then `cancelled`) once none of its samples is queued, running or staged;
+ends the job (manifest, then `cancelled`, then the removal of what a crash left in its folder) once
+none of its samples is queued, running or staged;
 when one is still running or staged, the writer that holds it ends the job after storing it.
 
 Every API process and every `hsx worker` runs a sweeper that looks for cancelling jobs at start and
@@ -19,7 +20,7 @@ import threading
 from pathlib import Path
 
 from hsx.db import repository as repo
-from hsx.extraction.finishing import finish_job
+from hsx.extraction.finishing import finish_job, remove_leftovers
 from hsx.states import JobState
 from hsx.storage.output_root import OutputRootMismatch
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -83,10 +84,14 @@ class CancelSweeper:
             log.info("job %s: %d queued samples cancelled", job_id, cancelled)
         try:
             with self.sessions.begin() as s:
-                return finish_job(s, job_id, self.output_root)
+                final = finish_job(s, job_id, self.output_root)
         except (OSError, OutputRootMismatch) as exc:
             log.warning("job %s: cancelled, manifest not written yet: %s", job_id, exc)
             return None
+        if final is not None:
+            with self.sessions() as s:
+                remove_leftovers(s, job_id, self.output_root)
+        return final
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -270,9 +270,17 @@ def test_cancel_marks_the_job_and_its_queued_samples_follow_in_batches(sessions,
         repo.release_interrupted(s, in_flight, reason="server restarted")
     assert _job_state(sessions, job_id) == ("cancelling", 14, 0, 11, tokens, 0)
 
+    # What a writer's crash left in the job's folder: a shard half written, one written but never recorded.
+    folder = tmp_path / job_id
+    folder.mkdir()
+    leftovers = [folder / ".shard-000002.safetensors.tmp-4242-1", folder / "shard-000003.safetensors"]
+    for p in leftovers:
+        p.write_bytes(b"partial")
+
     # The process that took the cancel is gone; another's sweeper finds the job and completes it.
     sweeper = CancelSweeper(sessions, tmp_path, batch=4)
     assert sweeper.sweep() == [job_id]
+    assert not any(p.exists() for p in leftovers), "the job's folder holds its manifest and recorded shards only"
     state, queued, running, n_cancelled, total, done = _job_state(sessions, job_id)
     assert (state, queued, running, n_cancelled, total, done) == ("cancelled", 0, 0, 25, tokens, 0)
     with sessions() as s:
