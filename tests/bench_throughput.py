@@ -23,7 +23,8 @@ tensors of a realistic shape written to /dev/shm):
 each with an instant server and with a simulated prefill as long as, and four times as long as,
 what persisting costs the first pipeline (the bare loop's time per sample with an instant server).
 Prints samples/s, tokens/s, GB/s persisted, CPU seconds per sample and per GB (the service's summed
-over its whole process tree; the bare loop's is this process's) and peak RSS.
+over its whole process tree, while a client waits on the job as `hsx status --watch` does; the bare
+loop's is this process's) and peak RSS.
 
 Then the shard writer alone: write_shard, as the service's flushers call it, writing --writer-gb of
 shards (the service's default shard size) from --writer-staged dumps staged in /dev/shm to the output
@@ -62,7 +63,7 @@ import torch
 from hsx.backends.dumps import load_staged
 from hsx.config import Settings
 from hsx.reference.dumper import Dumper
-from hsx.states import TERMINAL_JOB_STATES
+from hsx.sdk import HsxClient
 from hsx.storage.atomic import fsync_path
 from hsx.storage.shards import ShardSample, shard_name, write_shard
 from safetensors.torch import load_file, save_file
@@ -311,21 +312,19 @@ class Bench:
         os.sync()
         cpu0 = proc_tree_cpu(svc.proc.pid)
         body = "".join(json.dumps(s) + "\n" for s in self.samples).encode()
-        with httpx.Client(timeout=600) as c:
+        with httpx.Client(timeout=600) as c, HsxClient(svc_url, timeout=600) as hsx:
             started = datetime.now(timezone.utc)
             job = c.post(svc_url + "/v1/jobs", content=body, headers={"content-type": "application/x-ndjson"}).json()
-            while True:
-                state = c.get(f"{svc_url}/v1/jobs/{job['id']}").json()
-                if state["state"] in TERMINAL_JOB_STATES:
-                    break
-                time.sleep(0.2)
-        # The job's own finishing time, not when a poll saw it: polling often enough to be exact
-        # would cost the service CPU.
-        wall = (datetime.fromisoformat(state["finished_at"]) - started).total_seconds()
+            # Waited on as `hsx status --watch` does (polls every 0.5 s, then every second): the service's
+            # CPU includes answering a user's polls, not those of a client polling as fast as it can.
+            state = hsx.wait(job["id"], poll_s=0.5, max_poll_s=1.0)
+        # The job's own finishing time, not when a poll saw it.
+        assert state.finished_at is not None, state
+        wall = (state.finished_at - started).total_seconds()
         cpu1, (_, rss) = proc_tree_cpu(svc.proc.pid), proc_cpu_and_rss(svc.proc.pid)
         svc.stop()
         ref.stop()
-        assert state["state"] == "succeeded", state
+        assert state.state == "succeeded", state
         shutil.rmtree(out)
         # A database remembers its output root, which is gone: the next run starts with neither.
         for f in self.database_path(name).parent.glob(self.database_path(name).name + "*"):

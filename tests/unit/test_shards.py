@@ -495,3 +495,34 @@ def test_a_dump_cut_short_after_it_was_indexed_fails_the_shard(tmp_path, after_b
     with pytest.raises(OSError, match="ended before its tensor did"):
         write_shard(out / shard_name(0), fx.samples, LAYERS, "float32", HIDDEN)
     assert dir_listing(out) == []
+
+
+def test_a_shard_reuses_the_direct_buffers_of_one_that_ended_but_not_of_one_that_failed(tmp_path, monkeypatch):
+    """A fresh O_DIRECT buffer costs its page faults and zeroing, so a shard that ended hands its two
+    buffers to the next. The next shard comes out byte for byte as it would through the page cache
+    (nothing of the earlier shard's bytes in it, its padded tail included); a shard that failed keeps
+    its buffers out of the pool."""
+    pool = sink._BufferPool(keep=4)
+    monkeypatch.setattr(sink, "_POOL", pool)
+    rng = np.random.default_rng(1)
+    hidden, n = 4096, 2500  # more than two buffers' worth, so both buffers are written
+    big = {1: raw(torch.from_numpy(rng.standard_normal((n, hidden)).astype(np.float16)))}
+    first = [ShardSample("big", np.arange(n, dtype=np.int64), np.ones(n, dtype=np.int64), big)]
+    assert write_shard(tmp_path / "a" / shard_name(0), first, [1], "float16", hidden).bytes > 2 * sink.BUFFER_BYTES
+    kept = list(pool._free)
+    assert len(kept) == 2, "the ended shard's buffers wait for the next"
+
+    fx = Fixture(tmp_path / "src", "bfloat16")
+    info = write_shard(tmp_path / "b" / shard_name(1), fx.samples, LAYERS, "bfloat16", HIDDEN)
+    assert sorted(map(id, pool._free)) == sorted(map(id, kept)), "the next shard wrote through the same buffers"
+    monkeypatch.setattr(shards, "open_sink", sink.BufferedSink)
+    expected = write_shard(tmp_path / "c" / shard_name(1), fx.samples, LAYERS, "bfloat16", HIDDEN)
+    monkeypatch.undo()
+    monkeypatch.setattr(sink, "_POOL", pool)
+    assert (tmp_path / "b" / shard_name(1)).read_bytes() == (tmp_path / "c" / shard_name(1)).read_bytes()
+    assert info.sha256 == expected.sha256
+
+    _break_source(fx, "truncated")
+    with pytest.raises(OSError):
+        write_shard(tmp_path / "d" / shard_name(2), fx.samples, LAYERS, "bfloat16", HIDDEN)
+    assert pool._free == [], "a failed shard's buffers are not reused"
