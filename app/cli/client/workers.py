@@ -7,7 +7,6 @@ import argparse
 from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run, table, when
 
 NAME = "workers"
-KEY_CHARS = 12  # of a model key, in the table: enough to tell the models of one service apart
 HELP = "list the writers (workers) and their model servers, state and lease"
 DESCRIPTION = f"""List every writer that registered with the service's database (`hsx worker`, or `hsx serve`
 with its writer): identity, state, model server, model (the path its server reports, then the first
@@ -21,6 +20,9 @@ examples:
   hsx workers
   hsx workers --json
 """
+
+
+KEY_CHARS = 12  # of a model key, in the table: enough to tell the models of one service apart
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
