@@ -8,6 +8,7 @@ are served from the wheel, and a job created with the installed SDK is queued.
 
 from __future__ import annotations
 
+import email.parser
 import os
 import shutil
 import sqlite3
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from hsx.states import JobState
+from packaging.requirements import Requirement
 
 from tests.support.procs import Process, free_port
 
@@ -72,6 +74,31 @@ def test_the_wheel_holds_hsx_its_migrations_and_dashboard_only(wheel):
     dashboard = {f"hsx/dashboard/{p.name}" for p in (REPO / "app" / "dashboard").iterdir()}
     assert "hsx/dashboard/index.html" in dashboard and dashboard <= set(names), sorted(dashboard - set(names))
     assert not [n for n in names if n.split("/")[0] in ("app", "migrations", "tests")]
+
+
+# transformers releases the model servers hsx runs beside pin: SGLang 0.5.23 requires transformers==5.19.0;
+# the last 4.x release is 4.57.6.
+SERVER_TRANSFORMERS = ["4.57.6", "5.19.0"]
+
+
+def test_the_extras_admit_the_model_servers_transformers_and_any_torch(wheel):
+    with zipfile.ZipFile(wheel) as whl:
+        (metadata,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = email.parser.Parser().parsestr(whl.read(metadata).decode()).get_all("Requires-Dist")
+    by_extra: dict[str, list[Requirement]] = {}
+    for line in requires:
+        req = Requirement(line)
+        extras = [e for e in ("reference", "training") if req.marker and req.marker.evaluate({"extra": e})]
+        for extra in extras:
+            by_extra.setdefault(extra, []).append(req)
+    (transformers,) = [r for r in by_extra["reference"] if r.name == "transformers"]
+    assert all(transformers.specifier.contains(v) for v in SERVER_TRANSFORMERS), transformers
+    # Which torch build a machine gets is the install command's business, never the package's.
+    for extra in ("reference", "training"):
+        (torch,) = [r for r in by_extra[extra] if r.name == "torch"]
+        assert not torch.specifier, torch
+    # Without extras, neither comes along.
+    assert not [r for r in map(Requirement, requires) if r.name in ("torch", "transformers") and not r.marker]
 
 
 def test_installed_without_extras_it_serves_from_any_folder(wheel, tmp_path):
