@@ -106,17 +106,17 @@ def disk_write_rates(folder: Path, total_bytes: int) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-def minimum_cost(shm: Path, folder: Path, total_bytes: int) -> dict:
+def minimum_cost(shm: Path, folder: Path, total_bytes: int) -> float:
     """What persisting `total_bytes` cannot cost less than: one thread reads them from a file in
     /dev/shm (through a mapping: no copy of its own), hashes them once (sha256) and writes
     them with O_DIRECT straight from the mapping to a file on the output disk, then fsyncs. Returns
-    that thread's CPU seconds per GB and its rate in GB/s."""
+    that thread's CPU seconds per GB."""
     src, dst = shm / "minimum-src.tmp", folder / "minimum-dst.tmp"
     src.write_bytes(os.urandom(64 * MiB))
     os.sync()
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
     sha, written = hashlib.sha256(), 0
-    cpu0, start = time.thread_time(), time.perf_counter()
+    cpu0 = time.thread_time()
     try:
         while written < total_bytes:
             # mapped afresh each pass, as every dump is a file of its own: its pages are faulted in again
@@ -129,10 +129,10 @@ def minimum_cost(shm: Path, folder: Path, total_bytes: int) -> dict:
         os.fsync(fd)
     finally:
         os.close(fd)
-    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - start
+    cpu = time.thread_time() - cpu0
     dst.unlink()
     src.unlink()
-    return {"cpu_s_per_gb": cpu / (written / 1e9), "gb_s": written / wall / 1e9}
+    return cpu / (written / 1e9)
 
 
 class Minimum:
@@ -145,7 +145,7 @@ class Minimum:
         self.measured: list[float] = []
 
     def measure(self) -> float:
-        self.measured.append(minimum_cost(self.shm, self.folder, self.total_bytes)["cpu_s_per_gb"])
+        self.measured.append(minimum_cost(self.shm, self.folder, self.total_bytes))
         return self.measured[-1]
 
     def around(self, run) -> tuple[dict, ...]:
@@ -204,28 +204,24 @@ def writer_report(args, work: Path, shm: Path) -> None:
     count += count % 2  # two flushers get as many shards each
     shards = [[pool[(k * per_shard + j) % len(pool)] for j in range(per_shard)] for k in range(count)]
     volume = count * per_shard * per_sample
+    minimum = Minimum(shm, work, volume)
     directs = [disk_write_rates(work, volume)[1]]
-    costs = [minimum_cost(shm, work, volume)]
-    runs = []
-    for flushers in (1, 2):
-        runs.append(writer_alone(args, work, shm, flushers, shards))
+    runs = minimum.around(lambda: tuple(writer_alone(args, work, shm, n, shards) for n in (1, 2)))
     directs.append(disk_write_rates(work, volume)[1])
-    costs.append(minimum_cost(shm, work, volume))
     direct = statistics.median(directs)
-    cost = {k: statistics.mean(c[k] for c in costs) for k in ("cpu_s_per_gb", "gb_s")}
+    before, after = minimum.measured
     print(
         f"shard writer alone: {count} shards of {per_shard} staged dumps ({per_shard * per_sample / MiB:.0f} MiB), "
         f"{volume / 1e9:.1f} GB per run, from /dev/shm to the output disk; the disk's O_DIRECT rate "
         f"{direct / 1e9:.2f} GB/s (before {directs[0] / 1e9:.2f}, after {directs[1] / 1e9:.2f}); the bare minimum "
-        f"(one O_DIRECT copy + one sha256 pass) {cost['cpu_s_per_gb']:.2f} CPU s/GB (before "
-        f"{costs[0]['cpu_s_per_gb']:.2f}, after {costs[1]['cpu_s_per_gb']:.2f}), "
-        f"{cost['gb_s']:.2f} GB/s on one thread, hashing then writing"
+        f"(one O_DIRECT copy + one sha256 pass, one thread) {runs[0]['min_cpu_s_per_gb']:.2f} CPU s/GB (before "
+        f"{before:.2f}, after {after:.2f})"
     )
     print(f"{'flushers':<10}{'GB/s':>7}{'CPU s/GB':>10}{'x min':>7}{'of O_DIRECT':>13}{'x 1 flusher':>13}")
     for r in runs:
         print(
             f"{r['flushers']:<10}{r['gb_s']:>7.2f}{r['cpu_s_per_gb']:>10.2f}"
-            f"{r['cpu_s_per_gb'] / cost['cpu_s_per_gb']:>7.2f}{r['gb_s'] * 1e9 / direct:>13.0%}"
+            f"{r['cpu_s_per_gb'] / r['min_cpu_s_per_gb']:>7.2f}{r['gb_s'] * 1e9 / direct:>13.0%}"
             f"{r['gb_s'] / runs[0]['gb_s']:>13.2f}"
         )
     print(
