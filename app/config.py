@@ -108,6 +108,13 @@ class Settings(BaseSettings):
     dump_wait_s: float = Field(
         30.0, description="how long to wait for a dump's `done` marker after the model server replied"
     )
+    dump_settle_s: float = Field(
+        0.05,
+        ge=0,
+        description="counter-named dumps that carry neither input ids nor a rid: how long the dump root must stay "
+        "still (no new dump, none still being written) before the one dump of the sample's length is taken; this "
+        "covers a server that writes a dump shortly after it replies, and is paid once per such sample",
+    )
     request_timeout_s: float = Field(600.0, description="HTTP timeout for one /generate request")
     source: str = Field(
         "auto",

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from hsx.dtypes import DTYPES, DType
+from hsx.identity import Identity, weakest
 from hsx.states import JobState
 from hsx.storage.atomic import write_json_atomic
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -70,6 +71,8 @@ class ManifestSample(BaseModel):
     shard: str
     offset: Count
     num_tokens: PositiveCount
+    # What proved the stored dump this sample's (hsx.identity); None: not recorded (stored by an older hsx).
+    identity: Identity | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,10 @@ class ManifestHeader(BaseModel):
     shard_layout: dict[str, Any] | None = Field(default_factory=lambda: dict(SHARD_LAYOUT))
     num_samples: Count
     num_stored: Count
+    # The weakest proof among the stored samples (hsx.identity): ids or rid or response prove every
+    # tensor its sample's; count means the dumps carried neither, and rest on hsx having had the
+    # model server to itself. None: nothing stored, or a sample stored without a recorded proof.
+    identity: Identity | None = None
 
     @field_validator("layers")
     @classmethod
@@ -158,6 +165,7 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
     from hsx.db import repository as repo  # here, not above: the SDK imports this module without a database
 
     info = job.model_info or {}
+    samples = list(repo.iter_stored_samples(session, job.id))
     layers, num_layers = info.get("layers", job.layers), info.get("num_hidden_layers")
     # One document validated at once: a model per sample built here would cost several times more.
     return Manifest.model_validate(
@@ -184,9 +192,16 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
                 }
                 for s in repo.job_shards(session, job.id)
             ],
+            "identity": weakest(r.identity for r in samples),
             "samples": [
-                {"id": r.sample_id, "shard": r.shard, "offset": r.shard_offset, "num_tokens": r.num_tokens}
-                for r in repo.iter_stored_samples(session, job.id)
+                {
+                    "id": r.sample_id,
+                    "shard": r.shard,
+                    "offset": r.shard_offset,
+                    "num_tokens": r.num_tokens,
+                    "identity": r.identity,
+                }
+                for r in samples
             ],
         }
     )

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.dtypes import HIDDEN_STATE_DTYPES
+from hsx.identity import Identity
 from hsx.manifest import MODEL_KEYS
 
 PLUGIN_INFO_FILE = "hsx-plugin.json"
@@ -41,6 +42,8 @@ class Capture:
     hidden_size: int | None = None  # response: the width of one layer's rows
     dtype: str | None = None  # response: the model's dtype, which JSON numbers do not carry
     how: str = ""  # for refusals: where the layers come from
+    # What each dump will prove (hsx.identity) as far as the server says before the first one; None: not said.
+    identity: Identity | None = None
 
     @property
     def concurrent(self) -> bool:
@@ -113,13 +116,24 @@ def decide(
     if plugin_info is not None and described is None:
         return _plugin(server_info, plugin_info, name_by, dump_root)
     dump = described or {}
+    name_by = name_by if name_by != "auto" else str(dump.get("name_by", "counter"))
     return Capture(
         source="dumps",
         layers=[int(i) for i in dump["layers"]] if dump.get("layers") else None,
-        name_by=name_by if name_by != "auto" else str(dump.get("name_by", "counter")),
+        name_by=name_by,
         boot_id=dump.get("boot_id"),
         how="the server's dumps",
+        identity=_said_identity(dump, name_by),
     )
+
+
+def _said_identity(described: dict, name_by: str) -> Identity | None:
+    """What the dumps will prove before the first is read: what a server that describes them (hs_dump)
+    says, else at least the rid where they are named by it; None where only the dumps can tell."""
+    said = described.get("identity")
+    if said in tuple(Identity):
+        return Identity(said)
+    return Identity.RID if name_by == "rid" else None
 
 
 def _returns_rows(server_info: dict) -> bool:
@@ -145,6 +159,7 @@ def _plugin(server_info: dict, info: dict, name_by: str, dump_root: Path) -> Cap
         # The plugin needs each request to ask for hidden states; "last" keeps the answer to one row.
         return_hidden_states="last",
         boot_id=info.get("boot_id"),
+        identity=Identity.RID,
         how=f"the hsx-sglang plugin's dumps ({PLUGIN_INFO_FILE})",
     )
 
@@ -178,6 +193,7 @@ def _response(server_info: dict, model_info: dict) -> Capture:
         hidden_size=hidden_size,
         dtype=_model_dtype(server_info, config),
         how=how,
+        identity=Identity.RESPONSE,
     )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from hsx.dtypes import DTYPES, DTYPES_BY_CODE, HIDDEN_STATE_DTYPES
+from hsx.identity import Identity
 from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
 from safetensors import safe_open
 
@@ -57,6 +58,7 @@ class Dump:
     meta: dict
     layers: dict[int, TensorSpan | bytes]
     key: str | None = None  # the directory name the server wrote, e.g. req_17
+    identity: Identity | None = None  # what proved it is the sample's (hsx.identity)
 
     @property
     def num_tokens(self) -> int:
@@ -170,17 +172,31 @@ def _dump_ids(d: Path) -> list[int] | None:
         raise DumpRejected("bad_input_ids", f"{d.name}/input_ids.safetensors unreadable: {exc}") from exc
 
 
-def identity_mismatch(d: Path, meta: dict, input_ids: list[int]) -> str | None:
-    """Why this dump is not the one for `input_ids`, or None when it is."""
+def identify(d: Path, meta: dict, input_ids: list[int], rid: str) -> Identity:
+    """How this dump proves it is the one for `input_ids`, sent with `rid`: by its ids, its rid, or
+    only by its token count (hsx.identity). DumpRejected("not_ours") when anything it carries says
+    it is another request's."""
     if meta.get("num_tokens") != len(input_ids):
-        return f"num_tokens {meta.get('num_tokens')} != expected {len(input_ids)}"
+        raise DumpRejected("not_ours", f"{d.name}: num_tokens {meta.get('num_tokens')} != expected {len(input_ids)}")
+    proof = Identity.COUNT
     sha = meta.get("input_ids_sha256")
-    if sha is not None and sha.lower() != ids_sha256(input_ids):
-        return "input_ids_sha256 differs from the sample's ids"
+    if sha is not None:
+        if sha.lower() != ids_sha256(input_ids):
+            raise DumpRejected("not_ours", f"{d.name}: input_ids_sha256 differs from the sample's ids")
+        proof = Identity.IDS
     ids = _dump_ids(d)
-    if ids is not None and ids != input_ids:
-        return "input_ids differ from the sample's ids"
-    return None
+    if ids is not None:
+        if ids != input_ids:
+            raise DumpRejected("not_ours", f"{d.name}: input_ids differ from the sample's ids")
+        proof = Identity.IDS
+    dump_rid = meta.get("rid")
+    if dump_rid is not None:
+        # Even with equal ids: another client may send the same prompt, and its dump is not ours.
+        if dump_rid != rid:
+            raise DumpRejected("not_ours", f"{d.name}: rid {str(dump_rid)[:100]!r} is not this request's {rid!r}")
+        if proof == Identity.COUNT:
+            proof = Identity.RID
+    return proof
 
 
 def move_out(d: Path, dest: Path) -> Path:

@@ -22,6 +22,7 @@ from hsx.backends.extract import Expectation, check_answer
 from hsx.backends.hidden_json import HiddenStatesJSONError, parse_hidden_states_answer
 from hsx.backends.sglang import SGLangClient, parse_answer
 from hsx.dtypes import DTYPES
+from hsx.identity import Identity
 from hsx.layers import layer_key
 from hsx.storage.safetensors_raw import encode_header
 
@@ -60,9 +61,11 @@ class ResponseExtractor:
         dest = self.staging / staged_name
         try:
             self._stage(dest, meta, rows)
-            return validate(
+            dump = validate(
                 dest, meta, expect_layers=expect.layers, expect_hidden=expect.hidden_size, expect_dtype=expect.dtype
             )
+            dump.identity = Identity.RESPONSE
+            return dump
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise

@@ -31,20 +31,25 @@ as batches (the batch costs its longest prompt's time plus --per-request-us per 
 Fault injection (--enable-fault-injection), for tests: mounts GET/POST/DELETE /admin/faults to
 read, merge-patch and reset fault settings, and to read how many faults of each kind were injected:
   {"seed": null,
-   "foreign_dumps": {"count": 0, "probability": 0.0, "before": 1, "after": 1, "health_like": false},
+   "foreign_dumps": {"count": 0, "probability": 0.0, "before": 1, "after": 1, "health_like": false,
+                     "after_reply_s": null},
    "crash":         {"count": 0, "probability": 0.0, "exit_code": 1},
    "delay":         {"count": 0, "probability": 0.0, "seconds": 0.0},
    "unavailable":   {"seconds": 0.0},
    "late_done":     {"count": 0, "probability": 0.0, "seconds": 1.0, "never": false},
+   "late_dump":     {"count": 0, "probability": 0.0, "seconds": 0.02},
    "bad_dumps":     {"count": 0, "probability": 0.0, "kind": "nan"}}
 A fault fires for the next `count` /generate sequences (delay: requests), then with `probability`.
-foreign_dumps writes extra complete dumps of other ids around the real one; crash exits the process
-before the dump and the reply; delay sleeps before the reply; unavailable answers 503 to /generate
-and /health for `seconds` from the POST; late_done creates `done` `seconds` after the reply, or
-never; bad_dumps writes the dump with wrong content of `kind` (missing_layer, truncated, unreadable,
-wrong_shape, wrong_dtype, nan, inf, wrong_num_tokens, wrong_ids, cached_tokens, missing_meta_field,
-bad_meta_json, duplicate_layer, or a list of them). Details: the docstring of app/reference/faults.py.
---enable-radix-cache and --chunked-prefill-size change what the server does and reports, as in SGLang.
+foreign_dumps writes extra complete dumps of other ids around the real one (with after_reply_s, the
+ones after it that many seconds after the reply); crash exits the process before the dump and the
+reply; delay sleeps before the reply; unavailable answers 503 to /generate and /health for `seconds`
+from the POST; late_done creates `done` `seconds` after the reply, or never; late_dump writes the
+whole dump `seconds` after the reply (an asynchronous writer); bad_dumps writes the dump with wrong
+content of `kind` (missing_layer, truncated, unreadable, wrong_shape, wrong_dtype, nan, inf,
+wrong_num_tokens, wrong_ids, cached_tokens, missing_meta_field, bad_meta_json, duplicate_layer, or a
+list of them). Details: the docstring of app/reference/faults.py.
+--enable-radix-cache and --chunked-prefill-size change what the server does and reports, as in SGLang;
+--anonymous-dumps leaves input ids and rid out of every dump, as older patched servers do.
 
 Stock mode (--stock-sglang): behave as an unpatched SGLang 0.5.23 server launched with the same
 flags (--enable-return-aux-hidden-states --speculative-algorithm EAGLE3, --return-hidden-states-mode,
@@ -211,6 +216,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mount the admin API GET/POST/DELETE /admin/faults (see above)",
     )
     faults.add_argument(
+        "--anonymous-dumps",
+        action="store_true",
+        help="write dumps as older patched servers do, with neither input_ids.safetensors nor meta "
+        "input_ids_sha256 nor meta rid: a dump then proves itself only by its token count",
+    )
+    faults.add_argument(
         "--enable-radix-cache",
         action="store_true",
         help="report disable_radix_cache=false and serve repeated prompt prefixes from a prefix cache: "
@@ -315,7 +326,13 @@ def main(args: argparse.Namespace) -> int:
     dump_root = Path(os.path.abspath(os.path.expanduser(args.dump_root or DEFAULT_DUMP_ROOT)))
     dump_root.mkdir(parents=True, exist_ok=True)
     boot_id = uuid.uuid4().hex
-    dumper = Dumper(dump_root, boot_id=boot_id, dtype_name=runner.dtype_name, hidden_size=runner.hidden_size)
+    dumper = Dumper(
+        dump_root,
+        boot_id=boot_id,
+        dtype_name=runner.dtype_name,
+        hidden_size=runner.hidden_size,
+        anonymous=args.anonymous_dumps,
+    )
     engine = Engine(
         runner,
         dumper,
@@ -337,6 +354,7 @@ def main(args: argparse.Namespace) -> int:
         name
         for name, on in (
             ("fault-injection", args.enable_fault_injection),
+            ("anonymous-dumps", args.anonymous_dumps),
             ("radix-cache", args.enable_radix_cache),
             (f"chunked-prefill={args.chunked_prefill_size}", args.chunked_prefill_size > 0),
         )

@@ -87,6 +87,7 @@ class SampleRow(Base):
     loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)
     num_tokens: Mapped[int] = mapped_column(Integer)
     observed_tokens: Mapped[int | None] = mapped_column(Integer)
+    identity: Mapped[str | None] = mapped_column(String(16))  # what proved its dump its own (hsx.identity)
     # attempts: the retry budget spent; tries: every claim, including ones an outage interrupted.
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     tries: Mapped[int] = mapped_column(Integer, default=0)
@@ -128,6 +129,7 @@ class AttemptRow(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     dump_key: Mapped[str | None] = mapped_column(String(300))
     observed_tokens: Mapped[int | None] = mapped_column(Integer)
+    identity: Mapped[str | None] = mapped_column(String(16))
     boot_id: Mapped[str | None] = mapped_column(String(100))
 
     __table_args__ = (UniqueConstraint("sample_pk", "number", name="uq_attempts_sample_number"),)

@@ -621,17 +621,33 @@ def mark_staged(
     observed_tokens: int,
     dump_key: str | None,
     boot_id: str | None,
+    identity: str | None,
 ) -> bool:
     """The dump is validated and out of the root. `writer` is the dump root's writer (not the
-    in-flight slot that ran it): the writer's shard flusher takes it from here."""
-    _close_attempt(session, c.attempt_pk, "ok", dump_key=dump_key, observed_tokens=observed_tokens, boot_id=boot_id)
+    in-flight slot that ran it): the writer's shard flusher takes it from here. `identity` is what
+    proved the dump the sample's (hsx.identity)."""
+    _close_attempt(
+        session,
+        c.attempt_pk,
+        "ok",
+        dump_key=dump_key,
+        observed_tokens=observed_tokens,
+        boot_id=boot_id,
+        identity=identity,
+    )
     moved = _transition(
         session,
         c.job_id,
         [c.sample_pk],
         SampleState.RUNNING,
         SampleState.STAGED,
-        {"staged_path": staged_path, "observed_tokens": observed_tokens, "last_error": None, "writer": writer},
+        {
+            "staged_path": staged_path,
+            "observed_tokens": observed_tokens,
+            "last_error": None,
+            "writer": writer,
+            "identity": identity,
+        },
     )
     if moved:
         _count_throughput(session, c.job_id, samples=1, tokens=observed_tokens)
@@ -896,11 +912,18 @@ def get_shard(session: Session, job_id: str, name: str) -> ShardRow | None:
 
 
 def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
-    """(sample_id, shard, offset, num_tokens) of every stored sample, in job order, in batches."""
+    """(sample_id, shard, offset, num_tokens, identity) of every stored sample, in job order, in batches."""
     last = -1
     while True:
         rows = session.execute(
-            select(SampleRow.idx, SampleRow.sample_id, SampleRow.shard, SampleRow.shard_offset, SampleRow.num_tokens)
+            select(
+                SampleRow.idx,
+                SampleRow.sample_id,
+                SampleRow.shard,
+                SampleRow.shard_offset,
+                SampleRow.num_tokens,
+                SampleRow.identity,
+            )
             .where(SampleRow.job_id == job_id, SampleRow.state == SampleState.SUCCEEDED, SampleRow.idx > last)
             .order_by(SampleRow.idx)
             .limit(batch)

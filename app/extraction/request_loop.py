@@ -194,6 +194,7 @@ class RequestLoop:
                 observed_tokens=dump.num_tokens,
                 dump_key=dump.key,
                 boot_id=meta.get("boot_id"),
+                identity=dump.identity,
             )
             return repo.queued_left(s, c.job_id)
 
@@ -207,6 +208,9 @@ class RequestLoop:
             return None
         self.metrics.attempt("ok")
         self.metrics.extracted(dump.num_tokens, dump.nbytes)
+        if self.server.proved(dump.identity) and self.report.status.server is not None:
+            self.report.status.server = {**self.report.status.server, "identity": self.server.identity}
+            self.report.report()
         # Only after the commit: a flush that started before it must not have swallowed this sample.
         self.flusher.staged(c.job_id, c.sample_pk, dump.nbytes)
         return queued

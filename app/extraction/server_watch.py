@@ -21,6 +21,7 @@ from hsx.backends.response import ResponseExtractor
 from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
 from hsx.config import Settings
 from hsx.extraction.backoff import Backoff
+from hsx.identity import Identity
 from hsx.matching import model_key
 
 log = logging.getLogger("hsx.writer")
@@ -52,10 +53,14 @@ class ServerWatch:
         self.layers: list[int] | None = None  # the layers the server captures; None: not said
         self.capture: Capture | None = None
         self.backoff = Backoff()
+        # The weakest proof of identity among the dumps taken from this server (hsx.identity), or
+        # what the server says of its dumps before the first one is taken.
+        self.identity: Identity | None = None
         self._boot_id: str | None = None
         self._outage = False
         self._checked_at = 0.0
         self._lock = threading.Lock()
+        self._identity_lock = threading.Lock()  # not _lock: a check, which holds that, notes what the server says
 
     @property
     def usable(self) -> bool:
@@ -78,6 +83,25 @@ class ServerWatch:
     def lost(self) -> None:
         """A request found the server gone: nothing is sent until /health says it is back."""
         self.extractor, self._outage = None, True
+
+    def proved(self, identity: Identity | None) -> bool:
+        """Note what proved a dump its sample's; True when that is weaker than anything before, which
+        /healthz must then show. The first dump that proves only its token count is warned about."""
+        if identity is None:
+            return False
+        with self._identity_lock:
+            if self.identity is not None and self.identity.rank <= identity.rank:
+                return False
+            self.identity = identity
+        if identity == Identity.COUNT:
+            log.warning(
+                "dumps in %s carry neither input ids (input_ids.safetensors or meta input_ids_sha256) nor the "
+                "request's rid (meta rid): hsx tells a sample's dump from another request's only by its token "
+                "count, which holds only while nothing but hsx sends requests to %s (identity: count)",
+                self.root.path,
+                self.settings.backend_url,
+            )
+        return True
 
     def _check_due(self) -> bool:
         return time.monotonic() - self._checked_at >= SERVER_RECHECK_S
@@ -110,12 +134,18 @@ class ServerWatch:
         self._boot_id = boot_id
         self.capture = capture
         self.layers = capture.layers
+        self.proved(capture.identity)
         self.model_info = describe_model(model_info, server_info)
         if capture.source == "response":
             self.extractor = ResponseExtractor(self.client, self.staging, capture)
         else:
             self.extractor = Extractor(
-                self.client, self.root, self.staging, capture, dump_wait_s=self.settings.dump_wait_s
+                self.client,
+                self.root,
+                self.staging,
+                capture,
+                dump_wait_s=self.settings.dump_wait_s,
+                settle_s=self.settings.dump_settle_s,
             )
         self._outage = False
         self._checked_at = time.monotonic()
@@ -129,5 +159,6 @@ class ServerWatch:
             "model_key": model_key(self.model_info),
             "layers": self.layers,
             "layers_from": capture.how,
+            "identity": self.identity,
         }
         return ServerVerdict("ready", server=server)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,8 +39,9 @@ class ForwardResult:
     output_ids: list[int]
     final_hidden_fn: Callable[[], torch.Tensor] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (--enable-radix-cache)
-    # Dumps written without `done` whose marker is due after the reply: (directory, seconds; inf = never).
-    late_done: list[tuple[Path, float]] = field(default_factory=list)
+    # Fault injection's work due after the reply (late `done` markers, late dumps, foreign dumps):
+    # (seconds after the reply, inf = never; the action).
+    after_reply: list[tuple[float, Callable[[], None]]] = field(default_factory=list)
 
     def last_hidden(self) -> torch.Tensor:
         if self.final_hidden is None:

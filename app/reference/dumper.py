@@ -84,11 +84,13 @@ def save_streamed(tensors: Mapping[str, torch.Tensor | RowGather], path: Path) -
 class Dumper:
     """Writes `<root>/req_<key>/`, one method per step so fault injection can override a single step."""
 
-    def __init__(self, root: Path, *, boot_id: str, dtype_name: str, hidden_size: int):
+    def __init__(self, root: Path, *, boot_id: str, dtype_name: str, hidden_size: int, anonymous: bool = False):
         self.root = Path(root)
         self.boot_id = boot_id
         self.dtype_name = dtype_name
         self.hidden_size = hidden_size
+        # Like older patched servers: no input ids and no rid, so a dump says only how many tokens it holds.
+        self.anonymous = anonymous
 
     def dir_for(self, key: str) -> Path:
         return self.root / f"req_{key}"
@@ -107,7 +109,8 @@ class Dumper:
         """Write every file, then `done` (unless done=False: the caller creates it later, or never)."""
         directory = self.prepare_dir(key)
         self.write_hidden_states(directory, hidden_states)
-        self.write_input_ids(directory, input_ids)
+        if not self.anonymous:
+            self.write_input_ids(directory, input_ids)
         self.write_meta(directory, self.build_meta(rid, counter, input_ids, sorted(hidden_states), cached_tokens))
         if done:
             self.mark_done(directory)
@@ -138,7 +141,7 @@ class Dumper:
     def build_meta(
         self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int], cached_tokens: int = 0
     ) -> dict:
-        return {
+        meta = {
             "num_tokens": len(input_ids),
             "layers": layers,
             "hidden_size": self.hidden_size,
@@ -149,6 +152,9 @@ class Dumper:
             "cached_tokens": cached_tokens,
             "input_ids_sha256": input_ids_sha256(input_ids),
         }
+        if self.anonymous:
+            del meta["rid"], meta["input_ids_sha256"]
+        return meta
 
     def write_meta(self, directory: Path, meta: dict) -> None:
         (directory / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")

@@ -13,18 +13,22 @@ Settings and defaults (a fault "fires" for the next `count` eligible events; onc
 fires with `probability` per event, drawn from a random.Random seeded by `seed`, null = from the OS):
 
     {"seed": null,
-     "foreign_dumps": {"count": 0, "probability": 0.0, "before": 1, "after": 1, "health_like": false},
+     "foreign_dumps": {"count": 0, "probability": 0.0, "before": 1, "after": 1, "health_like": false,
+                       "after_reply_s": null},
      "crash":         {"count": 0, "probability": 0.0, "exit_code": 1},
      "delay":         {"count": 0, "probability": 0.0, "seconds": 0.0},
      "unavailable":   {"seconds": 0.0},
      "late_done":     {"count": 0, "probability": 0.0, "seconds": 1.0, "never": false},
+     "late_dump":     {"count": 0, "probability": 0.0, "seconds": 0.02},
      "bad_dumps":     {"count": 0, "probability": 0.0, "kind": "nan"}}
 
 - foreign_dumps (event: one /generate sequence): around the real dump also write `before` complete
   dumps ahead of it and `after` behind it, each a real forward with its own counter value and rid
   "foreign-<hex>" (so in counter mode req_<c>..), with as many tokens as the real prompt but other
   ids (token + 1 + j, mod vocab, for the j-th); with health_like the first of them is instead an
-  exact health-check dump (input_ids [0], rid HEALTH_CHECK_<time>).
+  exact health-check dump (input_ids [0], rid HEALTH_CHECK_<time>). With after_reply_s a number, the
+  `after` dumps are written that many seconds after the reply instead (a timer thread): another
+  client's request that reached the server just after ours.
 - crash (event: one /generate sequence): os._exit(exit_code) before the forward: no dump, no reply.
   A new process starts from counter 0 with a new boot_id. Crashes are logged, not counted.
 - delay (event: one /generate request): sleep `seconds` after the dumps are written, before the
@@ -33,6 +37,9 @@ fires with `probability` per event, drawn from a random.Random seeded by `seed`,
   next S seconds (from the POST); "state.unavailable_remaining_s" shows what is left.
 - late_done (event: one /generate dump): write the dump without `done` and create `done` `seconds`
   after the HTTP reply (a timer thread), or never (never = true).
+- late_dump (event: one /generate sequence): the sequence's own dump is written whole, `done` last,
+  `seconds` after the reply (a timer thread), as an asynchronous writer does; its counter value is
+  still taken when the request is served.
 - bad_dumps (event: one /generate dump): the dump is written in the usual order, `done` last, with
   its content wrong in the way `kind` names (or, for a list of kinds, one drawn per dump):
   missing_layer (the last layer's tensor left out), truncated (tensor file cut inside its data),
@@ -48,7 +55,8 @@ health checks only see `unavailable`. A batch /generate of k sequences is k sequ
 k dumps, and one request event. With chunked prefill the faults apply to the last chunk's dump.
 
 "injected" counts every fault injected since start or the last DELETE, by kind: foreign_dump,
-health_like_dump, delay, unavailable (503 replies), late_done, never_done, and bad_dump.<kind>.
+health_like_dump, delay, unavailable (503 replies), late_done, never_done, late_dump, and
+bad_dump.<kind>.
 
 Two server-settings faults are plain CLI flags (see PrefixCache below and the server's Engine):
 --enable-radix-cache (a repeated prompt prefix is served from a prefix cache: meta and reply
@@ -65,7 +73,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,17 +106,26 @@ INJECTED_KINDS = (
     "unavailable",
     "late_done",
     "never_done",
+    "late_dump",
     *(f"bad_dump.{kind}" for kind in BAD_DUMP_KINDS),
 )
 MAX_FOREIGN = 64
 
 DEFAULT_SETTINGS: dict[str, Any] = {
     "seed": None,
-    "foreign_dumps": {"count": 0, "probability": 0.0, "before": 1, "after": 1, "health_like": False},
+    "foreign_dumps": {
+        "count": 0,
+        "probability": 0.0,
+        "before": 1,
+        "after": 1,
+        "health_like": False,
+        "after_reply_s": None,
+    },
     "crash": {"count": 0, "probability": 0.0, "exit_code": 1},
     "delay": {"count": 0, "probability": 0.0, "seconds": 0.0},
     "unavailable": {"seconds": 0.0},
     "late_done": {"count": 0, "probability": 0.0, "seconds": 1.0, "never": False},
+    "late_dump": {"count": 0, "probability": 0.0, "seconds": 0.02},
     "bad_dumps": {"count": 0, "probability": 0.0, "kind": "nan"},
 }
 
@@ -136,9 +153,9 @@ def _check(section: str, key: str, value: Any) -> Any:
         if not _is_number(value) or not 0 <= value <= 1:
             raise FaultSettingsError(f"{where} must be a number in [0, 1]")
         return float(value)
-    if key == "seconds":
+    if key in ("seconds", "after_reply_s"):
         if not _is_number(value) or value < 0:
-            raise FaultSettingsError(f"{where} must be a number >= 0")
+            raise FaultSettingsError(f"{where} must be a number >= 0{' or null' if key == 'after_reply_s' else ''}")
         return float(value)
     if key in ("health_like", "never"):
         if not isinstance(value, bool):
@@ -166,6 +183,8 @@ class SequencePlan:
     health_like: bool = False
     bad_kind: str | None = None
     late_done: float | None = None  # seconds after the reply; math.inf = never
+    foreign_after_reply_s: float | None = None  # the `after` foreign dumps: seconds after the reply; None: before it
+    late_dump: float | None = None  # the own dump is written this many seconds after the reply
 
 
 class FaultInjector:
@@ -258,12 +277,15 @@ class FaultInjector:
             if self._fires("foreign_dumps"):
                 s = self.settings["foreign_dumps"]
                 plan.foreign_before, plan.foreign_after, plan.health_like = s["before"], s["after"], s["health_like"]
+                plan.foreign_after_reply_s = s["after_reply_s"]
             if self._fires("bad_dumps"):
                 kind = self.settings["bad_dumps"]["kind"]
                 plan.bad_kind = self._rng.choice(kind) if isinstance(kind, list) else kind
             if self._fires("late_done"):
                 s = self.settings["late_done"]
                 plan.late_done = math.inf if s["never"] else s["seconds"]
+            if self._fires("late_dump"):
+                plan.late_dump = self.settings["late_dump"]["seconds"]
         return plan
 
     def crash(self, rid: str) -> None:
@@ -272,16 +294,17 @@ class FaultInjector:
         print(f"[hsx-ref] fault: crash with exit code {code} while serving rid={rid}", flush=True)
         os._exit(code)
 
-    def schedule_done(self, pending: Sequence[tuple[Path, float]]) -> None:
-        """Start the timers of late `done` markers (the reply is about to go out)."""
-        for directory, seconds in pending:
+    @staticmethod
+    def schedule(deferred: Sequence[tuple[float, Callable[[], None]]]) -> None:
+        """Run each action that many seconds from now (the reply is about to go out); inf: never."""
+        for seconds, action in deferred:
             if math.isfinite(seconds):
-                timer = threading.Timer(seconds, _mark_done_late, args=(directory,))
+                timer = threading.Timer(seconds, action)
                 timer.daemon = True
                 timer.start()
 
 
-def _mark_done_late(directory: Path) -> None:
+def mark_done_late(directory: Path) -> None:
     if directory.is_dir():  # not if the directory was removed (or moved out) meanwhile
         (directory / "done").touch()
 
@@ -296,7 +319,13 @@ class BadDumper(Dumper):
     """The server's Dumper with one step's content made wrong; the steps' order is unchanged."""
 
     def __init__(self, base: Dumper, kind: str, vocab_size: int):
-        super().__init__(base.root, boot_id=base.boot_id, dtype_name=base.dtype_name, hidden_size=base.hidden_size)
+        super().__init__(
+            base.root,
+            boot_id=base.boot_id,
+            dtype_name=base.dtype_name,
+            hidden_size=base.hidden_size,
+            anonymous=base.anonymous,
+        )
         if kind not in BAD_DUMP_KINDS:
             raise ValueError(f"unknown bad dump kind {kind!r}")
         self.kind = kind

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import signal
 import threading
@@ -20,7 +21,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from hsx.reference.common import ForwardResult, HiddenStates
 from hsx.reference.dumper import Dumper
-from hsx.reference.faults import BadDumper, FaultInjector, PrefixCache, SequencePlan, add_admin_routes, other_ids
+from hsx.reference.faults import (
+    BadDumper,
+    FaultInjector,
+    PrefixCache,
+    SequencePlan,
+    add_admin_routes,
+    mark_done_late,
+    other_ids,
+)
 from starlette.concurrency import run_in_threadpool
 
 if TYPE_CHECKING:  # the model module imports transformers, which synthetic mode never needs
@@ -160,8 +169,21 @@ class Engine:
                 self._write_foreign(input_ids, j, health_like=health_like and j == 0)
             result = self._forward(input_ids, max_new_tokens, rid, plan, cacheable, extra_key)
             for j in range(before, before + after):
-                self._write_foreign(input_ids, j, health_like=health_like and j == 0)
+                write = functools.partial(self._write_foreign, input_ids, j, health_like=health_like and j == 0)
+                if plan is not None and plan.foreign_after_reply_s is not None:
+                    result.after_reply.append((plan.foreign_after_reply_s, self._serialised(write)))
+                else:
+                    write()
         return result
+
+    def _serialised(self, action: Callable[[], None]) -> Callable[[], None]:
+        """`action`, run under the forward lock when forwards are serialised (after the reply, from a timer)."""
+
+        def run() -> None:
+            with nullcontext() if self.concurrent else self._forward_lock:
+                action()
+
+        return run
 
     def _forward(
         self,
@@ -217,7 +239,8 @@ class Engine:
         bad = plan.bad_kind if plan is not None else None
         late = plan.late_done if plan is not None else None
         dumper = BadDumper(self.dumper, bad, self.runner.vocab_size) if bad else self.dumper
-        directory = dumper.write(
+        write = functools.partial(
+            dumper.write,
             key,
             rid=rid,
             counter=counter,
@@ -226,11 +249,17 @@ class Engine:
             cached_tokens=cached,
             done=late is None,
         )
+        if plan is not None and plan.late_dump is not None:
+            result.after_reply.append((plan.late_dump, lambda: log(f"fault: late dump written: {write()}")))
+            self.injector.count("late_dump")
+            directory = dumper.dir_for(key)
+        else:
+            directory = write()
         if bad:
             self.injector.count(f"bad_dump.{bad}")
             log(f"fault: req_{key} written as bad dump {bad}")
         if late is not None:
-            result.late_done.append((directory, late))
+            result.after_reply.append((late, functools.partial(mark_done_late, directory)))
             self.injector.count("late_done" if late != float("inf") else "never_done")
 
     def _write_foreign(self, input_ids: list[int], j: int, *, health_like: bool) -> None:
@@ -338,6 +367,13 @@ def parse_extra_keys(raw: Any, n: int, is_batch: bool) -> list[str | None]:
     raise BadRequest("extra_key must be a string, or for a batch a list of one string per sequence")
 
 
+def dump_identity(anonymous: bool, name_by: str) -> str:
+    """What each dump proves to a reader (hsx.identity): its ids, else its rid-named folder, else its size."""
+    if not anonymous:
+        return "ids"
+    return "rid" if name_by == "rid" else "count"
+
+
 def _reply(rid: str, prompt: list[int], result: ForwardResult, hidden: bool) -> dict:
     n = len(result.output_ids)
     meta = {
@@ -377,7 +413,7 @@ def create_reference_app(engine: Engine, settings: ServerSettings, ready: thread
         req = parse_generate(body, runner, settings.name_by)
         hidden = req.return_hidden_states and settings.enable_return_hidden_states
         delay = faults.request_delay() if faults is not None else 0.0
-        late_done: list[tuple[Path, float]] = []
+        after_reply: list[tuple[float, Callable[[], None]]] = []
         with engine.claim_rids(req.rids):
             replies = []
             for rid, ids, extra_key in zip(req.rids, req.sequences, req.extra_keys):
@@ -385,14 +421,14 @@ def create_reference_app(engine: Engine, settings: ServerSettings, ready: thread
                 n = min(req.max_new_tokens, runner.max_position_embeddings - len(ids))
                 plan = faults.plan_sequence() if faults is not None else None
                 result = engine.forward(ids, n, rid, plan=plan, cacheable=True, extra_key=extra_key)
-                late_done.extend(result.late_done)
+                after_reply.extend(result.after_reply)
                 replies.append(_reply(rid, ids, result, hidden))
             if delay:
                 engine.injector.count("delay")
                 log(f"fault: delaying the reply to rid(s) {req.rids} by {delay}s")
                 time.sleep(delay)
-        if late_done:
-            engine.injector.schedule_done(late_done)
+        if after_reply:
+            engine.injector.schedule(after_reply)
         return replies if req.is_batch else replies[0]
 
     @app.post("/generate")
@@ -447,6 +483,8 @@ def create_reference_app(engine: Engine, settings: ServerSettings, ready: thread
                 "layers": runner.layers,
                 "boot_id": engine.dumper.boot_id,
                 "dtype": runner.dtype_name,
+                # What each dump proves to a reader (hsx.identity): its ids, else its rid-named folder, else its size.
+                "identity": dump_identity(engine.dumper.anonymous, settings.name_by),
             },
         }
         if faults is not None:

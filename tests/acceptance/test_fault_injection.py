@@ -123,7 +123,7 @@ def test_late_done_and_a_dump_that_never_completes(stack):
     assert job["state"] == "succeeded"
     assert_exact(svc, job, items)
     log = attempts(svc, job["id"], items[0]["id"])
-    assert [a["outcome"] for a in log] == ["retry", "ok"] and log[0]["reason"].startswith("no_dump")
+    assert [a["outcome"] for a in log] == ["retry", "ok"] and log[0]["reason"].startswith("incomplete")
 
 
 EXPECTED = {

@@ -300,6 +300,7 @@ def test_server_and_model_info(servers, checkpoint):
                 "name_by": name_by,
                 "layers": layers,
                 "dtype": "bfloat16",
+                "identity": "ids",
             },
         }
     counter_boot = servers.counter.get("/get_server_info").json()["hs_dump"]["boot_id"]

@@ -102,6 +102,7 @@ class Stack:
                 observed_tokens=TOKENS,
                 dump_key="k",
                 boot_id="b",
+                identity="ids",
             )
         if tell:
             self.flusher.staged(c.job_id, c.sample_pk, SAMPLE_BYTES)

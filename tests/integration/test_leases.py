@@ -51,7 +51,9 @@ def test_an_expired_lease_is_taken_over_and_its_holder_records_nothing(sessions)
         running = repo.claim_next(s, A)
     with sessions.begin() as s:
         staged = repo.claim_next(s, A + "#1")
-        assert repo.mark_staged(s, staged, writer=A, staged_path="/x", observed_tokens=4, dump_key=None, boot_id=None)
+        assert repo.mark_staged(
+            s, staged, writer=A, staged_path="/x", observed_tokens=4, dump_key=None, boot_id=None, identity="ids"
+        )
     with sessions.begin() as s:
         assert repo.expire_leases(s) == [], "a live lease is never taken over"
 
@@ -72,7 +74,9 @@ def test_an_expired_lease_is_taken_over_and_its_holder_records_nothing(sessions)
         repo.renew_lease(s, A, epoch, lease_s=30, state="ready", reason=None, server=None, stats=None)
     with pytest.raises(repo.LeaseLost), sessions.begin() as s:
         repo.check_lease(s, A, epoch)
-        repo.mark_staged(s, running, writer=A, staged_path="/y", observed_tokens=4, dump_key=None, boot_id=None)
+        repo.mark_staged(
+            s, running, writer=A, staged_path="/y", observed_tokens=4, dump_key=None, boot_id=None, identity="ids"
+        )
     with sessions() as s:
         assert repo.get_job(s, job_id).n_staged == 0
 

@@ -29,7 +29,9 @@ def stage(sessions, c: repo.Claimed, writer: str, serves: Serves, layers: list[i
     model = dict(LLAMA if serves.model == model_key(LLAMA) else QWEN, layers=layers, dtype="bfloat16")
     with sessions.begin() as s:
         recorded = repo.set_job_model_info(s, c.job_id, model, serves)
-        repo.mark_staged(s, c, writer=writer, staged_path="/staged/x", observed_tokens=4, dump_key=None, boot_id=None)
+        repo.mark_staged(
+            s, c, writer=writer, staged_path="/staged/x", observed_tokens=4, dump_key=None, boot_id=None, identity="ids"
+        )
     return recorded
 
 

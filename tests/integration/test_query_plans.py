@@ -29,7 +29,9 @@ def test_hot_queries_use_indexes(postgres_url):
     with sessions.begin() as s:
         for _ in range(3):
             c = repo.claim_next(s, "w")
-            repo.mark_staged(s, c, writer="w", staged_path="/nowhere", observed_tokens=8, dump_key="k", boot_id="b")
+            repo.mark_staged(
+                s, c, writer="w", staged_path="/nowhere", observed_tokens=8, dump_key="k", boot_id="b", identity="ids"
+            )
     with engine.connect() as conn:
         conn.execute(text("ANALYZE"))
         conn.commit()

@@ -110,7 +110,14 @@ def test_recovery_requeues_running_and_lost_staged(sessions, tmp_path):
     with sessions.begin() as s:
         a = repo.claim_next(s, "w")
         repo.mark_staged(
-            s, a, writer="w", staged_path=str(kept_dir), observed_tokens=a.num_tokens, dump_key="req_1", boot_id="b"
+            s,
+            a,
+            writer="w",
+            staged_path=str(kept_dir),
+            observed_tokens=a.num_tokens,
+            dump_key="req_1",
+            boot_id="b",
+            identity="ids",
         )
     with sessions.begin() as s:
         b = repo.claim_next(s, "w")
@@ -122,6 +129,7 @@ def test_recovery_requeues_running_and_lost_staged(sessions, tmp_path):
             observed_tokens=b.num_tokens,
             dump_key="req_2",
             boot_id="b",
+            identity="ids",
         )
     with sessions.begin() as s:
         repo.claim_next(s, "w")  # running when the "crash" happens
@@ -304,7 +312,14 @@ def test_a_cancelling_job_with_samples_in_flight_ends_when_they_are_stored(sessi
     assert _job_state(sessions, job_id)[:4] == ("cancelling", 0, 1, 4)
     with sessions.begin() as s:
         repo.mark_staged(
-            s, c, writer="host:/dump/a", staged_path="x", observed_tokens=c.num_tokens, dump_key=None, boot_id=None
+            s,
+            c,
+            writer="host:/dump/a",
+            staged_path="x",
+            observed_tokens=c.num_tokens,
+            dump_key=None,
+            boot_id=None,
+            identity="ids",
         )
         repo.commit_shard(
             s,
@@ -359,7 +374,14 @@ def test_throughput_is_counted_per_window_and_read_back_in_equal_windows(session
     with sessions.begin() as s:
         c = repo.claim_next(s, "host:/dump/t")
         repo.mark_staged(
-            s, c, writer="host:/dump/t", staged_path="/x", observed_tokens=c.num_tokens, dump_key=None, boot_id=None
+            s,
+            c,
+            writer="host:/dump/t",
+            staged_path="/x",
+            observed_tokens=c.num_tokens,
+            dump_key=None,
+            boot_id=None,
+            identity="ids",
         )
     with sessions() as s:
         (row,) = s.execute(select(ThroughputRow).where(ThroughputRow.job_id == job.id)).scalars()

@@ -22,13 +22,14 @@ from hsx.backends.dumps import (
     DumpRejected,
     DumpRoot,
     DumpRootBusy,
-    identity_mismatch,
+    identify,
     ids_sha256,
     load_staged,
     move_out,
     read_meta,
     validate,
 )
+from hsx.identity import Identity
 from hsx.reference.dumper import Dumper, input_ids_sha256
 from hsx.storage.safetensors_raw import TensorSpan
 from hsx.storage.shards import NonFiniteSamples, ShardSample, write_shard
@@ -162,7 +163,7 @@ def test_read_meta_optional_fields_may_be_absent(tmp_path):
     assert read_meta(d) == meta
 
 
-# --- identity_mismatch ------------------------------------------------------------------------
+# --- identify ---------------------------------------------------------------------------------
 
 
 def test_writer_and_reader_agree_on_the_ids_hash():
@@ -170,23 +171,44 @@ def test_writer_and_reader_agree_on_the_ids_hash():
     assert ids_sha256(IDS) != ids_sha256(IDS[::-1])
 
 
-def test_identity_matches_our_dump(tmp_path):
+def not_ours(d, meta, ids, rid="rid-0") -> str:
+    with pytest.raises(DumpRejected) as exc:
+        identify(d, meta, ids, rid)
+    assert exc.value.code == "not_ours"
+    return exc.value.reason
+
+
+def test_our_dump_is_proven_by_its_ids(tmp_path):
     d, _ = make_dump(tmp_path)
-    assert identity_mismatch(d, read_meta(d), list(IDS)) is None
+    assert identify(d, read_meta(d), list(IDS), "rid-0") == Identity.IDS
 
 
 def test_identity_num_tokens_mismatch(tmp_path):
     d, _ = make_dump(tmp_path)
-    why = identity_mismatch(d, read_meta(d), IDS + [5])
-    assert why is not None and "num_tokens" in why
+    assert "num_tokens" in not_ours(d, read_meta(d), IDS + [5])
 
 
-def test_identity_num_tokens_is_checked_without_any_ids(tmp_path):
+def test_a_dump_without_ids_or_rid_proves_only_its_token_count(tmp_path):
+    d, _ = make_dump(tmp_path)
+    (d / "input_ids.safetensors").unlink()
+    meta = edit_meta(d, input_ids_sha256=DELETE, rid=DELETE)
+    assert identify(d, meta, IDS, "rid-0") == Identity.COUNT
+    assert identify(d, meta, IDS[::-1], "any rid") == Identity.COUNT, "the same length is all it can show"
+    assert "num_tokens" in not_ours(d, meta, IDS[:-1])
+
+
+def test_a_dump_without_ids_is_proven_by_our_rid_and_refused_by_another(tmp_path):
     d, _ = make_dump(tmp_path)
     (d / "input_ids.safetensors").unlink()
     meta = edit_meta(d, input_ids_sha256=DELETE)
-    assert identity_mismatch(d, meta, IDS) is None
-    assert "num_tokens" in identity_mismatch(d, meta, IDS[:-1])
+    assert identify(d, meta, IDS, "rid-0") == Identity.RID
+    assert "rid 'rid-0' is not this request's 'hsx-j-1-t1'" in not_ours(d, meta, IDS, "hsx-j-1-t1")
+
+
+def test_equal_ids_under_another_rid_are_another_request(tmp_path):
+    # Another client sending the same prompt: its dump is not ours, whatever its ids.
+    d, _ = make_dump(tmp_path)
+    assert "is not this request's" in not_ours(d, read_meta(d), IDS, "hsx-j-1-t1")
 
 
 def test_identity_sha_mismatch(tmp_path):
@@ -195,18 +217,16 @@ def test_identity_sha_mismatch(tmp_path):
     d, _ = make_dump(tmp_path, ids=other)
     (d / "input_ids.safetensors").unlink()
     meta = read_meta(d)
-    why = identity_mismatch(d, meta, IDS)
-    assert why is not None and "sha256" in why
-    assert identity_mismatch(d, meta, other) is None
+    assert "sha256" in not_ours(d, meta, IDS)
+    assert identify(d, meta, other, "rid-0") == Identity.IDS
 
 
 def test_identity_ids_file_mismatch(tmp_path):
     other = IDS[:-1] + [IDS[-1] + 1]
     d, _ = make_dump(tmp_path, ids=other)
     meta = edit_meta(d, input_ids_sha256=DELETE)
-    why = identity_mismatch(d, meta, IDS)
-    assert why is not None and "input_ids differ" in why
-    assert identity_mismatch(d, meta, other) is None
+    assert "input_ids differ" in not_ours(d, meta, IDS)
+    assert identify(d, meta, other, "rid-0") == Identity.IDS
 
 
 def test_identity_ids_file_checked_even_when_sha_matches(tmp_path):
@@ -215,13 +235,13 @@ def test_identity_ids_file_checked_even_when_sha_matches(tmp_path):
     save_file({"input_ids": torch.tensor(IDS[::-1], dtype=torch.int64)}, str(d / "input_ids.safetensors"))
     meta = read_meta(d)
     assert meta["input_ids_sha256"] == ids_sha256(IDS)
-    assert "input_ids differ" in identity_mismatch(d, meta, IDS)
+    assert "input_ids differ" in not_ours(d, meta, IDS)
 
 
 def test_identity_accepts_int32_ids_file(tmp_path):
     d, _ = make_dump(tmp_path)
     save_file({"input_ids": torch.tensor(IDS, dtype=torch.int32)}, str(d / "input_ids.safetensors"))
-    assert identity_mismatch(d, read_meta(d), IDS) is None
+    assert identify(d, read_meta(d), IDS, "rid-0") == Identity.IDS
 
 
 @pytest.mark.parametrize("damage", ["garbage", "wrong_key"])
@@ -232,7 +252,7 @@ def test_identity_unreadable_ids_file(tmp_path, damage):
         f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
     else:
         save_file({"ids": torch.tensor(IDS, dtype=torch.int64)}, str(f))
-    assert reject_code(identity_mismatch, d, read_meta(d), IDS) == "bad_input_ids"
+    assert reject_code(identify, d, read_meta(d), IDS, "rid-0") == "bad_input_ids"
 
 
 # --- validate: accepted dumps -----------------------------------------------------------------

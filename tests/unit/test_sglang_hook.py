@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hsx.backends.dumps import DumpRejected, identity_mismatch, ids_sha256, read_meta, validate
+from hsx.backends.dumps import DumpRejected, identify, ids_sha256, read_meta, validate
+from hsx.identity import Identity
 from hsx_sglang.capture import PrefillCapture, start_capture
 from hsx_sglang.dumpdir import PLUGIN_INFO_FILE, TEMP_PREFIX, HostDump
 from hsx_sglang.layers import eagle3_layers
@@ -69,7 +70,7 @@ def read_dump(
     """Read a dump as the service does: done, meta, identity, shapes and dtype; then its values."""
     d = root / f"req_{rid}"
     meta = read_meta(d)
-    assert identity_mismatch(d, meta, covered_ids) is None
+    assert identify(d, meta, covered_ids, rid) in (Identity.IDS, Identity.RID)
     validate(d, meta, expect_layers=LAYERS.all, expect_hidden=HIDDEN, expect_dtype=dtype)
     tensors = load_file(str(d / "hidden_states.safetensors"))
     return meta, {int(name.removeprefix("layer_")): t for name, t in tensors.items()}
