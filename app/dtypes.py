@@ -52,3 +52,13 @@ DTYPES_BY_CODE: dict[str, DType] = {d.code: d for d in _ALL}
 
 # What model servers dump hidden states in, and so what a shard's layers hold.
 HIDDEN_STATE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+
+def sglang_auto_dtype(config: dict) -> str:
+    """What SGLang 0.5.23 runs a checkpoint in under `--dtype auto` (srt/configs/model_config.py,
+    _get_and_verify_dtype): the checkpoint's dtype (float32 where it names none), except that float32
+    is downcast, to bfloat16 for Gemma models and to float16 for every other."""
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype in ("float32", "float"):
+        return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
+    return str(dtype)

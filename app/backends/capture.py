@@ -6,7 +6,8 @@ Three kinds of server, told apart without guessing:
   (`hs_dump`): dumps in the dump root, named as it says;
 - stock SGLang with the hsx-sglang plugin: the plugin writes `hsx-plugin.json` into the dump
   root (deploy/sglang/README.md): dumps named by rid, only for rids with its prefix, and only for
-  requests that ask for hidden states (`return_hidden_states: "last"` keeps the answer small);
+  requests whose batch carries per-request row counts (`return_logprob: true` makes SGLang fill them
+  and keeps the answer small);
 - stock SGLang without the plugin, returning hidden states (`--enable-return-hidden-states` or
   `--enable-return-aux-hidden-states`): the rows come in the answer itself (`response`); only the
   three aux layers, or only layer L, and hsx needs the model's config.json to number them.
@@ -20,7 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.dtypes import HIDDEN_STATE_DTYPES
+from hsx.dtypes import HIDDEN_STATE_DTYPES, sglang_auto_dtype
 from hsx.identity import Identity
 from hsx.manifest import MODEL_KEYS
 
@@ -37,7 +38,7 @@ class Capture:
     layers: list[int] | None  # the layers the server gives; None: not said (a job's own list is trusted)
     name_by: str = "counter"  # dumps: "counter" or "rid"
     rid_prefix: str = DEFAULT_RID_PREFIX
-    return_hidden_states: str | None = None  # what each request asks for; None: the field is not sent
+    asks: str | None = None  # what each request asks for besides the token (backends.sglang.ASKS); None: nothing
     boot_id: str | None = None
     hidden_size: int | None = None  # response: the width of one layer's rows
     dtype: str | None = None  # response: the model's dtype, which JSON numbers do not carry
@@ -156,8 +157,9 @@ def _plugin(server_info: dict, info: dict, name_by: str, dump_root: Path) -> Cap
         layers=[int(i) for i in info["layers"]],
         name_by="rid",
         rid_prefix=str(info.get("rid_prefix") or DEFAULT_RID_PREFIX),
-        # The plugin needs each request to ask for hidden states; "last" keeps the answer to one row.
-        return_hidden_states="last",
+        # The plugin needs the batch's per-request row counts, which SGLang fills when a request asks
+        # for logprobs (or hidden states, whose rows would all come back as JSON).
+        asks="logprob",
         boot_id=info.get("boot_id"),
         identity=Identity.RID,
         how=f"the hsx-sglang plugin's dumps ({PLUGIN_INFO_FILE})",
@@ -198,10 +200,11 @@ def _response(server_info: dict, model_info: dict) -> Capture:
 
 
 def _model_dtype(server_info: dict, config: dict) -> str:
-    """The dtype of the server's hidden states: its --dtype, else the checkpoint's."""
+    """The dtype of the server's hidden states: its --dtype, or with auto what SGLang makes of the
+    checkpoint's (sglang_auto_dtype)."""
     dtype = server_info.get("dtype")
     if dtype in (None, "auto"):
-        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        dtype = sglang_auto_dtype(config)
     dtype = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
     if dtype not in HIDDEN_STATE_DTYPES:
         raise CaptureProblem(f"the model's dtype {dtype!r} is not one of {', '.join(HIDDEN_STATE_DTYPES)}")

@@ -67,7 +67,7 @@ class Extractor:
         else:
             self.root.clear()
             before = snapshot(self.root)
-        result = self.client.prefill(input_ids, rid, return_hidden_states=self.capture.return_hidden_states)
+        result = self.client.prefill(input_ids, rid, asks=self.capture.asks)
         check_answer(result, len(input_ids))
         if self.name_by == "rid":
             found = self._find_rid(rid, input_ids)

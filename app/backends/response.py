@@ -43,7 +43,7 @@ class ResponseExtractor:
 
         Raises DumpRejected, or BackendUnavailable / BackendRejected from the client."""
         n, width = len(input_ids), len(self.layers) * self.hidden_size
-        with self.client.generate_stream(input_ids, rid, "full") as chunks:
+        with self.client.generate_stream(input_ids, rid, "hidden_states") as chunks:
             try:
                 answer, rows = parse_hidden_states_answer(chunks, rows=n, width=width)
             except HiddenStatesJSONError as exc:

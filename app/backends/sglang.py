@@ -60,20 +60,20 @@ class SGLangClient:
     def server_info(self) -> dict:
         return self._request("GET", "/get_server_info").json()
 
-    def prefill(self, input_ids: list[int], rid: str, *, return_hidden_states: str | None = None) -> GenerateResult:
+    def prefill(self, input_ids: list[int], rid: str, *, asks: str | None = None) -> GenerateResult:
         """The forward whose hidden states we collect: the prompt and one new token.
 
         `max_new_tokens` is 1 because SGLang gives a request with 0 its prefill-only path (no hidden
         states). The rid doubles as `extra_key`: unique per attempt, it keeps SGLang's prefix cache
         from serving any of the prompt from an earlier request (`cached_tokens` says if it did).
         """
-        data = self._request("POST", "/generate", json=generate_body(input_ids, rid, return_hidden_states)).json()
+        data = self._request("POST", "/generate", json=generate_body(input_ids, rid, asks)).json()
         return parse_answer(data, rid)
 
     @contextmanager
-    def generate_stream(self, input_ids: list[int], rid: str, return_hidden_states: str) -> Iterator[Iterator[bytes]]:
+    def generate_stream(self, input_ids: list[int], rid: str, asks: str) -> Iterator[Iterator[bytes]]:
         """The same request, its answer's body as a stream of chunks (hidden states can be gigabytes of JSON)."""
-        body = generate_body(input_ids, rid, return_hidden_states)
+        body = generate_body(input_ids, rid, asks)
         try:
             with self._http.stream("POST", "/generate", json=body) as resp:
                 if resp.status_code >= 400:
@@ -88,10 +88,19 @@ class SGLangClient:
         yield from resp.iter_bytes(STREAM_CHUNK_BYTES)
 
 
-def generate_body(input_ids: list[int], rid: str, return_hidden_states: str | None) -> dict:
+# What a request asks for besides the token, by Capture.asks:
+#   hidden_states  the prompt's rows in the answer (`return_hidden_states: true`, a bool: SGLang's API
+#                  contract refuses anything else);
+#   logprob        nothing the answer needs, but SGLang fills the per-request row counts the hsx-sglang
+#                  plugin reads only for batches that return logprobs or hidden states; logprobs of the
+#                  one new token keep the answer a few hundred bytes.
+ASKS = {"hidden_states": "return_hidden_states", "logprob": "return_logprob"}
+
+
+def generate_body(input_ids: list[int], rid: str, asks: str | None) -> dict:
     body: dict = {"input_ids": input_ids, "rid": rid, "extra_key": rid, "sampling_params": {"max_new_tokens": 1}}
-    if return_hidden_states is not None:
-        body["return_hidden_states"] = True if return_hidden_states == "full" else return_hidden_states
+    if asks is not None:
+        body[ASKS[asks]] = True
     return body
 
 

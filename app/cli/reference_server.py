@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import uuid
@@ -368,6 +369,19 @@ def main(args: argparse.Namespace) -> int:
     return run_server(engine, settings)
 
 
+def _stock_dtype(args: argparse.Namespace) -> str:
+    """--dtype as SGLang resolves it: auto runs a float32 checkpoint in float16 (bfloat16 for Gemma)."""
+    if args.dtype != "auto" or args.model is None:
+        return args.dtype
+    from hsx.dtypes import sglang_auto_dtype
+
+    try:
+        config = json.loads((Path(args.model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return args.dtype  # transformers says what is wrong when it loads the checkpoint
+    return sglang_auto_dtype(config if isinstance(config, dict) else {})
+
+
 def _main_stock(args: argparse.Namespace) -> int:
     from hsx.reference.model import ModelRunner, load_model
     from hsx.reference.server import log, serve
@@ -389,7 +403,7 @@ def _main_stock(args: argparse.Namespace) -> int:
     )
     try:
         stock.check()
-        model, stock.model_path = load_model(args.model, args.dtype, args.device or "cpu")
+        model, stock.model_path = load_model(args.model, _stock_dtype(args), args.device or "cpu")
         num_layers = int(model.config.num_hidden_layers)
         runner = ModelRunner(model, stock.model_path, [*aux_layers(stock, num_layers), num_layers])
         _, app_factory = start_stock(stock, runner)

@@ -9,14 +9,23 @@ Settings that silently break dumps are detected here, never assumed away.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.backends.capture import Capture, CaptureProblem, decide, describe_model, read_plugin_info
-from hsx.backends.dumps import DumpRoot
-from hsx.backends.extract import Extractor
+from hsx.backends.capture import (
+    PLUGIN_INFO_FILE,
+    Capture,
+    CaptureProblem,
+    decide,
+    describe_model,
+    read_plugin_info,
+)
+from hsx.backends.dumps import DumpRejected, DumpRoot
+from hsx.backends.extract import Expectation, Extractor
 from hsx.backends.response import ResponseExtractor
 from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
 from hsx.config import Settings
@@ -25,6 +34,9 @@ from hsx.identity import Identity
 from hsx.matching import model_key
 
 log = logging.getLogger("hsx.writer")
+
+# The probe: a few tokens every vocabulary has.
+PROBE_IDS = [1, 2, 3, 4]
 
 # Hidden states from dumps in the dump root, or from the server's answers.
 SampleExtractor = Extractor | ResponseExtractor
@@ -56,6 +68,7 @@ class ServerWatch:
         # The weakest proof of identity among the dumps taken from this server (hsx.identity), or
         # what the server says of its dumps before the first one is taken.
         self.identity: Identity | None = None
+        self._observed = False  # whether `identity` comes from a dump taken, not from what the server says
         self._boot_id: str | None = None
         self._outage = False
         self._checked_at = 0.0
@@ -84,16 +97,20 @@ class ServerWatch:
         """A request found the server gone: nothing is sent until /health says it is back."""
         self.extractor, self._outage = None, True
 
-    def proved(self, identity: Identity | None) -> bool:
-        """Note what proved a dump its sample's; True when that is weaker than anything before, which
-        /healthz must then show. The first dump that proves only its token count is warned about."""
+    def proved(self, identity: Identity | None, *, said: bool = False) -> bool:
+        """Note what proved a dump its sample's (or, with `said`, what the server says its dumps will
+        prove, which holds only until the first dump is taken); True when /healthz must show a new
+        value: the first dump's proof, or one weaker than any before. The first `count` is warned about."""
         if identity is None:
             return False
         with self._identity_lock:
-            if self.identity is not None and self.identity.rank <= identity.rank:
+            if said and self._observed:
                 return False
-            self.identity = identity
-        if identity == Identity.COUNT:
+            if not said and self._observed and self.identity is not None and self.identity.rank <= identity.rank:
+                return False
+            changed = identity != self.identity
+            self.identity, self._observed = identity, self._observed or not said
+        if changed and identity == Identity.COUNT:
             log.warning(
                 "dumps in %s carry neither input ids (input_ids.safetensors or meta input_ids_sha256) nor the "
                 "request's rid (meta rid): hsx tells a sample's dump from another request's only by its token "
@@ -101,7 +118,19 @@ class ServerWatch:
                 self.root.path,
                 self.settings.backend_url,
             )
-        return True
+        return changed
+
+    def _extractor_for(self, capture: Capture) -> SampleExtractor:
+        if capture.source == "response":
+            return ResponseExtractor(self.client, self.staging, capture)
+        return Extractor(
+            self.client,
+            self.root,
+            self.staging,
+            capture,
+            dump_wait_s=self.settings.dump_wait_s,
+            settle_s=self.settings.dump_settle_s,
+        )
 
     def _check_due(self) -> bool:
         return time.monotonic() - self._checked_at >= SERVER_RECHECK_S
@@ -129,24 +158,26 @@ class ServerWatch:
             self.extractor = None
             return ServerVerdict("refusing", str(exc))
         boot_id = capture.boot_id
-        if self._boot_id and boot_id and boot_id != self._boot_id:
+        restarted = bool(self._boot_id and boot_id and boot_id != self._boot_id)
+        if restarted:
             log.warning("model server restarted (boot id %s -> %s); settings re-read", self._boot_id, boot_id)
+        probe_due = self.extractor is None or restarted
         self._boot_id = boot_id
         self.capture = capture
         self.layers = capture.layers
-        self.proved(capture.identity)
+        self.proved(capture.identity, said=True)
         self.model_info = describe_model(model_info, server_info)
-        if capture.source == "response":
-            self.extractor = ResponseExtractor(self.client, self.staging, capture)
-        else:
-            self.extractor = Extractor(
-                self.client,
-                self.root,
-                self.staging,
-                capture,
-                dump_wait_s=self.settings.dump_wait_s,
-                settle_s=self.settings.dump_settle_s,
-            )
+        extractor = self._extractor_for(capture)
+        if probe_due:
+            try:
+                problem = probe(extractor, self.staging)
+            except BackendUnavailable as exc:
+                self.lost()
+                return ServerVerdict("waiting", f"model server not ready: {exc}")
+            if problem is not None:
+                self.extractor = None
+                return ServerVerdict("refusing", problem)
+        self.extractor = extractor
         self._outage = False
         self._checked_at = time.monotonic()
         self.backoff.reset()
@@ -162,3 +193,30 @@ class ServerWatch:
             "identity": self.identity,
         }
         return ServerVerdict("ready", server=server)
+
+
+def probe(extractor: SampleExtractor, staging: Path) -> str | None:
+    """Send one small request the way samples go, before any sample is spent on this server (at
+    start, after an outage, after a restart): None when it gave whole hidden states, else why not.
+    A setup that refuses every request, a plugin that did not load, or an hsx-plugin.json left by an
+    earlier launch in front of a server without the plugin all show here, as the writer's reason to
+    refuse, instead of as every sample failing. BackendUnavailable passes through."""
+    capture = extractor.capture
+    rid = f"{capture.rid_prefix}probe-{uuid.uuid4().hex[:12]}"
+    try:
+        extractor.extract(PROBE_IDS, rid=rid, staged_name=f"probe/{rid}", expect=Expectation(layers=capture.layers))
+    except BackendRejected as exc:
+        return f"the model server refuses hsx's requests ({exc}); nothing is sent until that is fixed"
+    except DumpRejected as exc:
+        hint = ""
+        if capture.how.startswith("the hsx-sglang plugin"):
+            hint = (
+                f"; {PLUGIN_INFO_FILE} in the dump root describes the hsx-sglang plugin, but it did not dump the "
+                "probe: the file may be left from an earlier launch, or the plugin did not load in this one (the "
+                "server's log says 'Failed to load plugin'); start the server with the plugin (SGLANG_PLUGINS="
+                f"hsx_dump, HSX_DUMP_ROOT), or remove {PLUGIN_INFO_FILE} to use the server's answers"
+            )
+        return f"a probe request gave no usable hidden states ({exc.code}: {exc.reason}){hint}"
+    finally:
+        shutil.rmtree(staging / "probe", ignore_errors=True)
+    return None

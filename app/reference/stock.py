@@ -5,11 +5,13 @@ What follows SGLang 0.5.23 (read from its source; deploy/sglang/README.md has th
 
 - /generate: `rid` is optional (a uuid4 hex otherwise); a string rid of a batch becomes
   "{rid}_{i}"; a rid still in flight is refused with 400 "Duplicate request ID detected: ...".
-  `return_hidden_states` is a bool, "last", or a batch's list of them, refused (400) beyond what
-  the server's mode allows. `meta_info.hidden_states` in mode full is a list: the prefill rows
+  `return_hidden_states` and `return_logprob` are a bool or a batch's list of them (the API
+  contract refuses anything else, "last" included, with 400 "invalid type: ..."); hidden states
+  are refused (400) beyond what the server's mode allows. `meta_info.hidden_states` in mode full
+  is a list: the prefill rows
   `[extend_len][W]` (the tokens not served from the prefix cache; with chunked prefill only the
   last chunk's), then one `[W]` row per decode step, cut to the completion's length, so
-  `max_new_tokens` 0 gives `[]`; "last" gives the last of those rows, `[W]`. W is the hidden size
+  `max_new_tokens` 0 gives `[]`; a server in mode "last" gives the last of those rows, `[W]`. W is the hidden size
   (the post-norm last layer), or three times it with aux capture on (the three aux layers side by
   side, ascending). `extra_key` namespaces the prefix cache; `meta_info.cached_tokens` counts hits.
 - The warm-up (unless --skip-server-warmup): `input_ids` [10, 11, 12] with max_new_tokens 8, as
@@ -23,13 +25,14 @@ What follows SGLang 0.5.23 (read from its source; deploy/sglang/README.md has th
   started with a processor and execution features built from these server arguments, then every
   prefill batch goes through its AROUND hook as SGLang's batch result processor would pass it: the
   batch's requests (rid, whole prompt, cached tokens, chunk counter), the per-request extend
-  lengths (only when some request of the batch returns hidden states, as in SGLang), the aux
+  lengths (only when some request of the batch returns hidden states or logprobs, as in SGLang), the aux
   layers side by side and the post-norm last layer, rows of all requests concatenated.
 
 Differences that remain: every sequence runs alone (batch 1, so rows equal a plain transformers
 forward bit for bit) and the rows are then concatenated into one batch per /generate call;
 decoding is greedy and decode-step rows come from one forward over prompt + completion; there is
-no tokenizer (`text` is refused, as with --skip-tokenizer-init), no streaming, no logprobs, no
+no tokenizer (`text` is refused, as with --skip-tokenizer-init), no streaming, no logprobs in the answer
+(`return_logprob` is taken, only for the extend lengths it makes SGLang fill), no
 overlap scheduler, no CUDA, and the prefix cache is an exact-token trie that never evicts. The
 chunked prefill size defaults to -1 (off), where SGLang picks a size from the GPU's memory.
 """
@@ -160,14 +163,38 @@ def aux_layers(args: StockArgs, num_hidden_layers: int) -> list[int]:
 
 
 def request_mode(value: Any) -> str | None:
-    """One return_hidden_states value as a mode (SGLang's get_return_hidden_states_mode)."""
+    """One return_hidden_states value as a mode. SGLang's scheduler would take the string "last" too,
+    but its API contract (srt/entrypoints/api_contract.py) refuses anything but a bool first."""
     if value is True:
         return "full"
-    if value == "last":
-        return "last"
     if value is False:
         return None
-    raise BadRequest("return_hidden_states must be a boolean or the string literal 'last'.")
+    raise BadRequest(not_bool_or_list(value))
+
+
+def not_bool_or_list(value: Any) -> str:
+    return f"invalid type: {_contract_type(value)}, expected a value or an array of values for BoolOrList"
+
+
+def request_flags(body: dict, key: str, n: int, is_batch: bool) -> list[bool]:
+    """A bool-or-list-of-bools field (return_logprob) per sequence, refused as the API contract refuses it."""
+    raw = body.get(key, False)
+    values = raw if isinstance(raw, list) and is_batch and len(raw) == n else [raw] * n
+    for v in values:
+        if not isinstance(v, bool):
+            raise BadRequest(
+                f"invalid type: {_contract_type(v)}, expected a value or an array of values for BoolOrList"
+            )
+    return list(values)
+
+
+def _contract_type(value: Any) -> str:
+    """How the API contract's deserializer names a value of the wrong type."""
+    if isinstance(value, str):
+        return f'string "{value}"'
+    if isinstance(value, (int, float)):
+        return f"{'integer' if isinstance(value, int) else 'floating point'} `{value}`"
+    return "map" if isinstance(value, dict) else "null" if value is None else "sequence"
 
 
 @dataclass
@@ -178,6 +205,7 @@ class StockRequest:
     max_new_tokens: int
     modes: list[str | None]  # per sequence
     extra_keys: list[str | None]
+    logprobs: list[bool]  # per sequence: return_logprob
 
 
 def parse_stock_generate(body: Any, runner: ModelRunner, server_mode: str | None) -> StockRequest:
@@ -226,7 +254,13 @@ def parse_stock_generate(body: Any, runner: ModelRunner, server_mode: str | None
         )
     max_new_tokens = parse_max_new_tokens(body)
     return StockRequest(
-        sequences, rids, is_batch, max_new_tokens, modes, parse_extra_keys(body.get("extra_key"), n, is_batch)
+        sequences,
+        rids,
+        is_batch,
+        max_new_tokens,
+        modes,
+        parse_extra_keys(body.get("extra_key"), n, is_batch),
+        request_flags(body, "return_logprob", n, is_batch),
     )
 
 
@@ -251,7 +285,9 @@ class PrefillPass:
     req: PrefillReq
     start: int
     stop: int
-    wants_hidden: bool
+    # Whether the request returns hidden states or logprobs: only then does SGLang fill the batch's
+    # per-request extend lengths (scheduler: `return_logprob or return_hidden_states`).
+    fills_lens: bool
     hidden: dict[int, torch.Tensor] = field(repr=False, default_factory=dict)  # layer -> [T, H], the whole prompt
 
 
@@ -310,8 +346,7 @@ class PluginHost:
             aux = torch.cat([torch.cat([p.hidden[i][p.start : p.stop] for i in self.aux], dim=1) for p in passes])
         last = torch.cat([p.hidden[self.final][p.start : p.stop] for p in passes])
         result = SimpleNamespace(
-            # SGLang fills the per-request extend lengths only for batches that return hidden states.
-            extend_input_len_per_req=lens if any(p.wants_hidden for p in passes) else None,
+            extend_input_len_per_req=lens if any(p.fills_lens for p in passes) else None,
             logits_output=SimpleNamespace(hidden_states=aux, last_hidden_states=last, next_token_logits=None),
             copy_done=None,
         )
@@ -342,7 +377,7 @@ class StockEngine:
         with self.rids.claim(req.rids), self._lock:
             started = time.monotonic()
             results, passes = [], []
-            for rid, ids, key, mode in zip(req.rids, req.sequences, req.extra_keys, req.modes):
+            for rid, ids, key, mode, logprob in zip(req.rids, req.sequences, req.extra_keys, req.modes, req.logprobs):
                 cache = self.cache if cacheable else None
                 cached = cache.match(ids, key) if cache is not None else 0
                 # Decoding stops at the context length, as in SGLang.
@@ -352,7 +387,7 @@ class StockEngine:
                     cache.insert(ids, key)
                 result.cached_tokens = cached
                 results.append(result)
-                passes.extend(self._passes(PrefillReq(rid, ids, cached), result, mode is not None))
+                passes.extend(self._passes(PrefillReq(rid, ids, cached), result, mode is not None or logprob))
             self._through_plugin(passes)
             replies = [
                 self._reply(rid, ids, result, mode, passes)
@@ -362,7 +397,7 @@ class StockEngine:
             log(f"batch rids={req.rids} prompts={[len(s) for s in req.sequences]} {ms:.0f}ms")
             return replies
 
-    def _passes(self, req: PrefillReq, result: ForwardResult, wants_hidden: bool) -> list[PrefillPass]:
+    def _passes(self, req: PrefillReq, result: ForwardResult, fills_lens: bool) -> list[PrefillPass]:
         """The forward passes of one request: one for what the cache did not serve, or one per chunk."""
         hidden = {i: t for i, t in result.hidden_states.items() if isinstance(t, torch.Tensor)}
         total, step = len(req.origin_input_ids), self.args.chunked_prefill_size
@@ -371,7 +406,7 @@ class StockEngine:
         passes = []
         for n, (a, b) in enumerate(bounds):
             chunk_req = req if n == len(bounds) - 1 else PrefillReq(req.rid, req.origin_input_ids, req.cached_tokens, 1)
-            passes.append(PrefillPass(chunk_req, a, b, wants_hidden, hidden))
+            passes.append(PrefillPass(chunk_req, a, b, fills_lens, hidden))
         return passes
 
     def _through_plugin(self, passes: list[PrefillPass]) -> None:
@@ -451,7 +486,7 @@ def create_stock_app(engine: StockEngine, ready: threading.Event) -> FastAPI:
     def health_sync() -> Response:
         if not ready.is_set():
             return Response(status_code=503)
-        probe = StockRequest([[0]], [f"HEALTH_CHECK_{uuid.uuid4().hex}"], False, 1, [None], [None])
+        probe = StockRequest([[0]], [f"HEALTH_CHECK_{uuid.uuid4().hex}"], False, 1, [None], [None], [False])
         engine.generate(probe, cacheable=False)
         return Response(status_code=200)
 

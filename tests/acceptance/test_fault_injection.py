@@ -13,7 +13,7 @@ from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.storage.shards import shard_name
 
-from tests.support.procs import Process, free_port, synthetic_server_args
+from tests.support.procs import start_synthetic as synthetic_server
 from tests.support.stack import start_service
 
 HIDDEN, NUM_LAYERS, VOCAB = 64, 8, 1000
@@ -21,19 +21,14 @@ LAYERS = [2, 4, 5, 8]
 
 
 def start_synthetic(tmp, *extra: str):
-    port = free_port()
-    args = synthetic_server_args(
+    return synthetic_server(
+        tmp,
         hidden=HIDDEN,
         num_layers=NUM_LAYERS,
         vocab=VOCAB,
         dump_root=tmp / "dumps",
-        port=port,
         extra=["--enable-fault-injection", *extra],
     )
-    proc = Process(args, tmp / f"reference-{port}.log")
-    url = f"http://127.0.0.1:{port}"
-    proc.wait_http(url + "/health")
-    return proc, url
 
 
 @pytest.fixture(scope="module")

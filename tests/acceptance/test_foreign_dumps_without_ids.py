@@ -23,7 +23,7 @@ import torch
 from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
 
-from tests.support.procs import Process, free_port, synthetic_server_args
+from tests.support.procs import start_synthetic
 from tests.support.stack import start_service
 
 HIDDEN, NUM_LAYERS, VOCAB = 32, 8, 1000
@@ -48,18 +48,14 @@ ORDERS = {
 
 @pytest.fixture
 def anonymous_server(tmp_path):
-    port = free_port()
-    args = synthetic_server_args(
+    proc, url = start_synthetic(
+        tmp_path,
         hidden=HIDDEN,
         num_layers=NUM_LAYERS,
         vocab=VOCAB,
         dump_root=tmp_path / "dumps",
-        port=port,
         extra=["--anonymous-dumps", "--enable-fault-injection", "--skip-server-warmup"],
     )
-    proc = Process(args, tmp_path / "reference.log")
-    url = f"http://127.0.0.1:{port}"
-    proc.wait_http(url + "/health")
     yield url
     proc.stop()
 

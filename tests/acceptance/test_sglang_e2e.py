@@ -7,6 +7,7 @@ carry its own `extra_key` would be served partly from the cache and rejected."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from tests.support.samples import assert_stored_exactly, make_samples
@@ -97,6 +98,37 @@ def test_a_server_without_hidden_states_or_plugin_is_waited_on_with_the_reason(t
             job = svc.get(f"/v1/jobs/{job['id']}").json()
         assert "--enable-return-hidden-states" in job["waiting_reason"], job
         assert job["counts"]["queued"] == 1
+        assert svc.get("/healthz").json()["writer"]["state"] == "refusing"
+    finally:
+        stop_stack(svc, ref)
+
+
+def test_a_stale_plugin_file_in_front_of_a_server_without_the_plugin_is_refused_before_any_attempt(
+    tmp_path, checkpoint
+):
+    """hsx-plugin.json left by an earlier launch, the server now running without the plugin: the probe at
+    start finds no dump, so the writer refuses with the reason and no sample is spent."""
+    dump_root = tmp_path / "dumps"
+    dump_root.mkdir()
+    stale = {"format": "hsx-plugin/1", "name_by": "rid", "layers": [*AUX, NUM_LAYERS], "rid_prefix": "hsx-"}
+    (dump_root / "hsx-plugin.json").write_text(json.dumps(stale | {"boot_id": "an-earlier-launch"}))
+    ref = start_stock_sglang(tmp_path, checkpoint, flags=[*AUX_FLAGS, "--skip-server-warmup"])
+    svc = start_service(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'hsx.db'}",
+        backend_url=ref.url,
+        dump_root=dump_root,
+        extra=["--dump-wait-s", "2"],
+    )
+    try:
+        job = svc.post_job({"samples": make_samples(2, seed=36)}).json()
+        deadline = time.monotonic() + 60
+        while "probe" not in (job["waiting_reason"] or "") and time.monotonic() < deadline:
+            time.sleep(0.2)
+            job = svc.get(f"/v1/jobs/{job['id']}").json()
+        assert "did not dump the probe" in (job["waiting_reason"] or ""), job
+        assert job["counts"]["queued"] == 2
+        assert all(s["attempts"] == 0 for s in svc.get(f"/v1/jobs/{job['id']}/samples").json()["data"])
         assert svc.get("/healthz").json()["writer"]["state"] == "refusing"
     finally:
         stop_stack(svc, ref)

@@ -36,6 +36,24 @@ def synthetic_server_args(
     return hsx_command() + ["reference-server", "--synthetic", *shape, *where, *extra]
 
 
+def start_synthetic(
+    tmp: Path, *, hidden: int, num_layers: int, vocab: int, dump_root: Path, extra: Sequence[str] = ()
+) -> tuple[Process, str]:
+    """A synthetic reference server of this shape on a free port, ready: (its process, its URL)."""
+    port = free_port()
+    args = synthetic_server_args(
+        hidden=hidden, num_layers=num_layers, vocab=vocab, dump_root=dump_root, port=port, extra=extra
+    )
+    proc = Process(args, tmp / f"reference-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_http(url + "/health")
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
+
+
 class Process:
     """A child process whose output goes to a log file, stopped on exit."""
 

@@ -45,7 +45,7 @@ def test_a_server_that_describes_its_dumps_is_read_as_it_says(tmp_path):
     info = {"hs_dump": {"name_by": "rid", "layers": [2, 4, 5, 8], "boot_id": "x"}, "disable_radix_cache": True}
     capture = decide("auto", "auto", info, {}, None, tmp_path)
     assert (capture.source, capture.name_by, capture.layers, capture.boot_id) == ("dumps", "rid", [2, 4, 5, 8], "x")
-    assert capture.return_hidden_states is None and capture.rid_prefix == "hsx-"
+    assert capture.asks is None and capture.rid_prefix == "hsx-"
 
 
 def test_a_server_that_says_nothing_is_a_patched_one_naming_by_counter(tmp_path):
@@ -56,7 +56,7 @@ def test_a_server_that_says_nothing_is_a_patched_one_naming_by_counter(tmp_path)
 def test_the_plugin_description_wins_over_the_answers(tmp_path, model_dir):
     capture = decide("auto", "auto", stock(model_dir, **AUX), {}, PLUGIN, tmp_path)
     assert (capture.source, capture.name_by, capture.layers) == ("dumps", "rid", [2, 16, 29, 32])
-    assert capture.rid_prefix == "run7-" and capture.return_hidden_states == "last" and capture.concurrent
+    assert capture.rid_prefix == "run7-" and capture.asks == "logprob" and capture.concurrent
 
 
 def test_a_plugin_description_beside_a_server_without_aux_capture_is_refused(tmp_path, model_dir):
@@ -75,6 +75,25 @@ def test_answers_give_the_aux_layers_or_the_last_one(tmp_path, model_dir):
         "auto", "auto", stock(model_dir, enable_return_hidden_states=True, dtype="float16"), {}, None, tmp_path
     )
     assert (last.layers, last.dtype) == ([32], "float16")
+
+
+@pytest.mark.parametrize(
+    ("config", "runs_in"),
+    [
+        ({"torch_dtype": "bfloat16"}, "bfloat16"),
+        ({"dtype": "float16"}, "float16"),
+        ({"torch_dtype": "float32"}, "float16"),
+        ({}, "float16"),
+        ({"torch_dtype": "float32", "model_type": "gemma2"}, "bfloat16"),
+    ],
+)
+def test_dtype_auto_is_what_sglang_runs_the_checkpoint_in(tmp_path, config, runs_in):
+    """SGLang downcasts a float32 checkpoint under --dtype auto: recording float32 would mislabel float16 values."""
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, **config}))
+    capture = decide("auto", "auto", stock(d, enable_return_hidden_states=True, dtype="auto"), {}, None, tmp_path)
+    assert capture.dtype == runs_in
 
 
 def test_answers_need_every_row_and_a_readable_config(tmp_path, model_dir):

@@ -206,7 +206,7 @@ def test_rank_zero_alone_dumps(capture: PrefillCapture, root: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        (lambda result: setattr(result, "extend_input_len_per_req", None), "return_hidden_states"),
+        (lambda result: setattr(result, "extend_input_len_per_req", None), "return_logprob"),
         (lambda result: setattr(result.logits_output, "last_hidden_states", None), "no aux or no last hidden states"),
         (lambda result: setattr(result.logits_output, "hidden_states", None), "no aux or no last hidden states"),
         (

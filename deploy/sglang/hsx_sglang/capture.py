@@ -81,7 +81,7 @@ class PrefillCapture:
     def _batch_problem(self, batch: Any, result: Any) -> str | None:
         lens = result.extend_input_len_per_req
         if lens is None:
-            return "the batch has no per-request extend lengths (send the request with return_hidden_states)"
+            return "the batch has no per-request extend lengths (send the request with return_logprob: true)"
         if len(lens) != len(batch.reqs):
             return f"{len(lens)} extend lengths for {len(batch.reqs)} requests"
         output = result.logits_output

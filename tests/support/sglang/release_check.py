@@ -281,21 +281,21 @@ def _aux_capture(src: WheelSource) -> list[str]:
 
 
 def _extend_lengths(src: WheelSource) -> list[str]:
-    """The scheduler fills extend_input_len_per_req only for batches that return hidden states (or logprobs)."""
+    """The scheduler fills extend_input_len_per_req for batches that return logprobs (or hidden states):
+    hsx's requests to the plugin ask for logprobs."""
     tree = src.tree("sglang.srt.managers.scheduler")
     for node in ast.walk(tree) if tree is not None else ():
-        if isinstance(node, ast.If) and "return_hidden_states" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "return_logprob" in ast.unparse(node.test):
             for stmt in node.body:
                 if isinstance(stmt, ast.Assign) and any(
                     isinstance(t, ast.Attribute) and t.attr == "extend_input_len_per_req" for t in stmt.targets
                 ):
                     return []
-    return ["sglang.srt.managers.scheduler: does not set extend_input_len_per_req for batches returning hidden states"]
+    return ["sglang.srt.managers.scheduler: does not set extend_input_len_per_req for batches returning logprobs"]
 
 
 def _full_capture(src: WheelSource) -> list[str]:
-    """Aux capture makes the server capture every token (mode full), and a request may ask for
-    `return_hidden_states: "last"` (one row in the answer)."""
+    """Aux capture makes the server capture every token (mode full)."""
     out = []
     hook = src.tree("sglang.srt.arg_groups.serving_hook")
     handler = None if hook is None else _function(hook, "handle_return_hidden_states_mode")
@@ -305,10 +305,6 @@ def _full_capture(src: WheelSource) -> list[str]:
             "sglang.srt.arg_groups.serving_hook.handle_return_hidden_states_mode: "
             "--enable-return-aux-hidden-states does not set the hidden-states mode to full"
         )
-    batch = src.tree("sglang.srt.managers.schedule_batch")
-    mode = None if batch is None else _function(batch, "get_return_hidden_states_mode")
-    if mode is None or "return_hidden_states == 'last'" not in ast.unparse(mode):
-        out.append('sglang.srt.managers.schedule_batch.get_return_hidden_states_mode: does not accept "last"')
     return out
 
 
@@ -340,7 +336,7 @@ def _imports(src: WheelSource) -> list[str]:
 
 
 # What hsx's service sends and reads (hsx.backends.sglang, hsx.backends.capture, hsx.backends.response).
-REQUEST_FIELDS = ("input_ids", "rid", "extra_key", "return_hidden_states", "sampling_params")
+REQUEST_FIELDS = ("input_ids", "rid", "extra_key", "return_hidden_states", "return_logprob", "sampling_params")
 SERVER_INFO_FIELDS = (
     "--model-path",
     "--dtype",

@@ -1,0 +1,172 @@
+"""Jobs against a real SGLang 0.5.23 (its CPU engine), not the imitation: plugin mode as
+deploy/sglang/README.md launches it, and the plugin-free mode that returns the rows in the answer.
+
+The server runs in its own environment (tests/support/engines/sglang-env.sh builds it once per
+machine); its CUDA-only kernel package is replaced by a stand-in the test writes itself (the one
+kernel a plain CPU serve calls, the others raise). The model is a tiny random float32 Llama made
+here, and every stored tensor is compared with a transformers recomputation of its own ids.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hsx.manifest import load_manifest, read_sample
+
+from tests.support.procs import Process, free_port
+from tests.support.stack import start_service
+
+ENV_SCRIPT = Path(__file__).resolve().parents[1] / "support" / "engines" / "sglang-env.sh"
+HIDDEN, NUM_LAYERS, VOCAB = 256, 8, 1000
+AUX = [2, NUM_LAYERS // 2, NUM_LAYERS - 3]
+
+# The one kernel a plain CPU serve calls (mem_cache/allocation.py): for each request r, the slots
+# start_offset[r]:end_offset[r] of its row in req_to_token get the next entries of out_cache_loc.
+KERNEL_STANDIN = '''
+"""Test-only stand-in for SGLang's CUDA kernel package on a CPU-only host."""
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, *_a, **_k):
+    pos = 0
+    for r in range(len(req_pool_indices)):
+        a, b = int(start_offset[r]), int(end_offset[r])
+        req_to_token[int(req_pool_indices[r]), a:b] = out_cache_loc[pos : pos + b - a]
+        pos += b - a
+
+
+def __getattr__(name):
+    def unavailable(*_a, **_k):
+        raise NotImplementedError(f"sgl_kernel.{name} is not available on this host")
+
+    return unavailable
+'''
+
+
+@pytest.fixture(scope="module")
+def sglang_python() -> str:
+    done = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=512,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=2048,
+        torch_dtype="float32",
+    )
+    m = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("model")
+    m.save_pretrained(path)
+    return path, m
+
+
+def start_sglang(
+    python: str, tmp: Path, model_path: Path, flags: list[str], env: dict[str, str], dtype: str = "float32"
+) -> tuple[str, Process]:
+    standin = tmp / "standin" / "sgl_kernel"
+    standin.mkdir(parents=True, exist_ok=True)
+    (standin / "__init__.py").write_text(textwrap.dedent(KERNEL_STANDIN))
+    port = free_port()
+    args = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", "127.0.0.1"]
+    args += ["--port", str(port), "--device", "cpu", "--dtype", dtype, "--mem-fraction-static", "0.3"]
+    args += ["--max-total-tokens", "65536", "--skip-tokenizer-init", "--chunked-prefill-size", "-1", *flags]
+    base_env = {"PYTHONPATH": str(tmp / "standin"), "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = Process(args, tmp / f"sglang-{port}.log", env={**base_env, **env})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_http(url + "/health", timeout=400)
+    except BaseException:
+        proc.stop()
+        raise
+    return url, proc
+
+
+def truth(m: torch.nn.Module, ids: list[int], layers: list[int]) -> dict[int, torch.Tensor]:
+    with torch.no_grad():
+        hs = m(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return {i: hs[i][0] for i in layers}
+
+
+def run_and_check(svc, m, layers: list[int], n: int, seed: int, dtype: str = "float32") -> tuple[dict, float]:
+    """A job of n samples; every stored tensor against the (float32) recomputation. Returns (job, max abs diff)."""
+    rng = random.Random(seed)
+    items = [{"id": f"s{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(5, 80))]} for i in range(n)]
+    job = svc.wait_job(svc.post_job({"samples": items}).json()["id"], timeout=600)
+    assert job["state"] == "succeeded", job
+    folder = svc.output_root / job["id"]
+    manifest = load_manifest(folder)
+    assert manifest.layers == layers and manifest.dtype == dtype
+    worst = 0.0
+    for s in items:
+        got = read_sample(folder, manifest, s["id"])
+        assert got["input_ids"].tolist() == s["input_ids"]
+        for i, want in truth(m, s["input_ids"], layers).items():
+            worst = max(worst, (got[f"layer_{i}"].float() - want).abs().max().item())
+    return job, worst
+
+
+def test_plugin_mode_stores_every_sample_exactly(tmp_path, sglang_python, model):
+    model_path, m = model
+    dumps = tmp_path / "dumps"
+    url, server = start_sglang(
+        sglang_python,
+        tmp_path,
+        model_path,
+        ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3", "--disable-radix-cache"],
+        {"SGLANG_PLUGINS": "hsx_dump", "HSX_DUMP_ROOT": str(dumps)},
+    )
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=dumps)
+    try:
+        job, worst = run_and_check(svc, m, [*AUX, NUM_LAYERS], n=30, seed=1)
+        assert worst <= 1e-5, worst
+        assert svc.get("/healthz").json()["writer"]["server"]["identity"] == "ids"
+        samples = svc.get(f"/v1/jobs/{job['id']}/samples?limit=100").json()["data"]
+        assert [s["attempts"] for s in samples] == [1] * 30, "no attempt was spent on a refusal"
+    finally:
+        svc.stop()
+        server.stop()
+
+
+def test_plugin_free_mode_returns_the_last_layer_in_the_answer(tmp_path, sglang_python, model):
+    model_path, m = model
+    url, server = start_sglang(
+        sglang_python, tmp_path, model_path, ["--enable-return-hidden-states", "--disable-radix-cache"], {}
+    )
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=tmp_path / "d")
+    try:
+        _, worst = run_and_check(svc, m, [NUM_LAYERS], n=20, seed=2)
+        assert worst <= 1e-5, worst
+        assert svc.get("/healthz").json()["writer"]["server"]["identity"] == "response"
+    finally:
+        svc.stop()
+        server.stop()
+
+
+def test_dtype_auto_on_a_float32_checkpoint_is_recorded_as_what_sglang_runs(tmp_path, sglang_python, model):
+    """SGLang runs a float32 checkpoint in float16 under --dtype auto: the shards say float16, and hold it."""
+    model_path, m = model
+    url, server = start_sglang(
+        sglang_python, tmp_path, model_path, ["--enable-return-hidden-states", "--disable-radix-cache"], {}, "auto"
+    )
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=tmp_path / "d")
+    try:
+        _, worst = run_and_check(svc, m, [NUM_LAYERS], n=5, seed=3, dtype="float16")
+        assert worst <= 0.05, worst  # float16 arithmetic against a float32 recomputation
+    finally:
+        svc.stop()
+        server.stop()
