@@ -22,10 +22,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import psycopg
+
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.states import JobState
-
 from tests.support.stack import start_service
 
 INSERT_BATCH = 20_000

@@ -44,10 +44,10 @@ from pathlib import Path
 
 import httpx
 import torch
-from hsx.layers import eagle3_capture_layers
-from hsx.reference.model import ModelRunner, embedded_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hsx.layers import eagle3_capture_layers
+from hsx.reference.model import ModelRunner, embedded_config
 from tests.support.stack import RefServer, start_reference, start_service
 
 GiB = 1024**3

@@ -25,6 +25,7 @@ import tracemalloc
 from collections.abc import Iterator
 
 import numpy as np
+
 from hsx.backends.hidden_json import parse_hidden_states_answer
 
 MiB = 1024 * 1024

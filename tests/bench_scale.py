@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import httpx
-from hsx.states import JobState
 
+from hsx.states import JobState
 from tests.support.procs import Process, free_port, hsx_command, proc_cpu_and_rss
 
 MiB = 1024 * 1024

@@ -63,14 +63,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
+
 from hsx.backends.dumps import load_staged
 from hsx.config import Settings
 from hsx.reference.dumper import Dumper
 from hsx.sdk import HsxClient
 from hsx.storage.atomic import fsync_path
 from hsx.storage.shards import ShardSample, shard_name, write_shard
-from safetensors.torch import load_file, save_file
-
 from tests.support.procs import Process, free_port, hsx_command, proc_cpu_and_rss, proc_tree_cpu
 
 MiB = 1024 * 1024

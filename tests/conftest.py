@@ -21,9 +21,31 @@ if str(PLUGIN_SOURCE) not in sys.path:
     sys.path.insert(0, str(PLUGIN_SOURCE))
 
 from hsx.db.engine import make_engine, session_factory, upgrade  # noqa: E402
-
 from tests.support.sglang.wheels import SUPPORTED_SGLANG, sglang_wheel  # noqa: E402
-from tests.support.stack import Recompute, make_checkpoint  # noqa: E402
+
+# What a plain `pytest` leaves out (the one-minute loop); `pytest --all` runs them too, and so does CI.
+OUTER_TIERS = ("acceptance", "postgres", "slow")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--all",
+        action="store_true",
+        help="run every tier: also the tests marked acceptance, postgres or slow, which a plain `pytest` leaves out",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "acceptance" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.acceptance)
+    if config.getoption("--all") or config.option.markexpr:
+        return  # everything, or what the -m expression picks
+    kept = [i for i in items if not any(i.get_closest_marker(t) for t in OUTER_TIERS)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+
 
 PG_ADMIN = os.environ.get("HSX_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -85,11 +107,15 @@ def sessions(database_url):
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
+    from tests.support.stack import make_checkpoint  # torch and transformers: only for the tests that use it
+
     return make_checkpoint(tmp_path_factory.mktemp("checkpoint"))
 
 
 @pytest.fixture(scope="session")
 def recompute(checkpoint):
+    from tests.support.stack import Recompute
+
     return Recompute(checkpoint)
 
 

@@ -10,13 +10,13 @@ from datetime import datetime
 import httpx
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load
+
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory
 from hsx.manifest import load_manifest, read_sample
 from hsx.sdk import HsxClient
-from safetensors import safe_open
-from safetensors.torch import load
-
 from tests.support.api import problem
 from tests.support.no_torch import block_torch, pythonpath_with, refused_imports, started_in
 from tests.support.procs import Process, hsx_command

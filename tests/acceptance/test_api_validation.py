@@ -6,9 +6,9 @@ import json
 import os
 
 import pytest
+
 from hsx.names import MAX_LENGTH
 from hsx.sdk import HsxClient, HsxError
-
 from tests.support.api import problem, stored_rows
 from tests.support.stack import start_service
 

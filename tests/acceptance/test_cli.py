@@ -16,13 +16,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import ValidationError
+
 from hsx import cli
 from hsx.cli import serve
 from hsx.cli.client.common import Progress
 from hsx.config import FLUSHERS_PER_CORE, MAX_DEFAULT_FLUSHERS, Settings
 from hsx.sdk import HsxClient
-from pydantic import ValidationError
-
 from tests.support.no_torch import env_without_torch
 from tests.support.procs import hsx_command
 from tests.support.samples import make_samples

@@ -9,10 +9,10 @@ import time
 
 import httpx
 import torch
+
 from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.states import TERMINAL_JOB_STATES
-
 from tests.support.compose import LocalCompose
 from tests.support.deploy import DEPLOY
 

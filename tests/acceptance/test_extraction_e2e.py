@@ -12,9 +12,9 @@ import threading
 import time
 
 import httpx
-from hsx.exports import export_job
 from transformers import LlamaConfig
 
+from hsx.exports import export_job
 from tests.support.procs import free_port
 from tests.support.samples import assert_stored_exactly, make_samples
 from tests.support.stack import HIDDEN, NUM_LAYERS, VOCAB, start_reference, start_service

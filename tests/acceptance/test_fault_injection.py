@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 import torch
+
 from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.storage.shards import shard_name
-
 from tests.support.procs import start_synthetic as synthetic_server
 from tests.support.stack import start_service
 

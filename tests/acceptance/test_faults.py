@@ -11,8 +11,8 @@ import threading
 import time
 
 import pytest
-from hsx.sdk import HsxClient, Unavailable
 
+from hsx.sdk import HsxClient, Unavailable
 from tests.support.procs import free_port
 from tests.support.samples import assert_stored_exactly, make_samples
 from tests.support.stack import start_reference, start_service

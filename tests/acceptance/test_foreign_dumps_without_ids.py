@@ -20,9 +20,9 @@ import random
 import httpx
 import pytest
 import torch
+
 from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
-
 from tests.support.procs import start_synthetic
 from tests.support.stack import start_service
 

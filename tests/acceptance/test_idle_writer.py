@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from sqlalchemy import event
+
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
@@ -20,8 +22,6 @@ from hsx.extraction.writer import Writer
 from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.states import TERMINAL_JOB_STATES
-from sqlalchemy import event
-
 from tests.support.procs import Process, free_port, synthetic_server_args
 
 HIDDEN, NUM_LAYERS, VOCAB, LAYERS, SLOTS = 64, 4, 1000, [1, 3], 8

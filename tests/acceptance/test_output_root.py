@@ -8,10 +8,10 @@ import hashlib
 import time
 
 import pytest
+
 from hsx.sdk import Gone, HsxClient
 from hsx.storage.output_root import MARKER_NAME
 from hsx.storage.shards import shard_name
-
 from tests.support.procs import free_port
 from tests.support.samples import assert_stored_exactly, make_samples
 from tests.support.stack import start_reference, start_service

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hsx.cli import build_parser
 from hsx.sdk import HsxClient
-
 from tests.support.sglang import release_check
 from tests.support.stack import start_stack, stop_stack
 

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hsx.manifest import load_manifest, read_sample
 
+from hsx.manifest import load_manifest, read_sample
 from tests.support.procs import Process, free_port
 from tests.support.stack import start_service
+
+pytestmark = pytest.mark.slow  # a real SGLang starts in 30-90 s, once per test
 
 ENV_SCRIPT = Path(__file__).resolve().parents[1] / "support" / "engines" / "sglang-env.sh"
 HIDDEN, NUM_LAYERS, VOCAB = 256, 8, 1000

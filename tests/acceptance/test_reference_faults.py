@@ -20,11 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from hsx.reference.dumper import input_ids_sha256
 from hsx.reference.faults import BAD_DUMP_KINDS, DEFAULT_SETTINGS, INJECTED_KINDS, other_ids
 from hsx.reference.synthetic import synthetic_hidden_states
-from safetensors.torch import load_file
-
 from tests.support.procs import Process, free_port, hsx_command
 
 DUMP_FILES = {"meta.json", "hidden_states.safetensors", "input_ids.safetensors", "done"}

@@ -12,13 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
 from hsx.layers import eagle3_capture_layers
 from hsx.reference.dumper import Dumper, input_ids_sha256
 from hsx.reference.model import ModelRunner
 from hsx.reference.server import WARMUP_INPUT_IDS, BadRequest, Engine
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
 from tests.support.procs import Process, free_port, hsx_command
 
 VOCAB = 256

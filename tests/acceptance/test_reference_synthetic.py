@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from hsx.reference.dumper import Dumper, input_ids_sha256
 from hsx.reference.server import WARMUP_INPUT_IDS
 from hsx.reference.synthetic import TABLE_ROWS, SyntheticRunner, synthetic_hidden_states
-from safetensors.torch import load_file
-
 from tests.support.procs import Process, free_port, hsx_command
 
 BIG_LAYERS = [2, 16, 29, 32]

@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors import safe_open
+
 from hsx.sdk import (
     AsyncHsxClient,
     ChecksumMismatch,
@@ -34,8 +36,6 @@ from hsx.sdk import (
     Writer,
 )
 from hsx.sdk.errors import error_from_response
-from safetensors import safe_open
-
 from tests.support.procs import free_port
 from tests.support.samples import make_samples
 from tests.support.stack import start_stack, stop_stack

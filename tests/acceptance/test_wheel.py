@@ -20,14 +20,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hsx.states import JobState
 from packaging.requirements import Requirement
 
+from hsx.states import JobState
 from tests.support.procs import Process, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # What setuptools reads to build the wheel (pyproject.toml names README.md as the long description).
-BUILD_INPUTS = ["pyproject.toml", "README.md", "app", "migrations"]
+BUILD_INPUTS = ["pyproject.toml", "README.md", "app"]
 # Children must not see the checkout's packages (an empty PYTHONPATH counts as unset).
 ENV = {**os.environ, "PYTHONPATH": ""}
 
@@ -71,9 +71,12 @@ def test_the_wheel_holds_hsx_its_migrations_and_dashboard_only(wheel):
     assert {"hsx/migrations/env.py", "hsx/migrations/script.py.mako"} <= set(names)
     assert [n for n in names if n.startswith("hsx/migrations/versions/") and n.endswith(".py")], names
     # Every file of the dashboard ships: the page loads nothing from anywhere else.
-    dashboard = {f"hsx/dashboard/{p.name}" for p in (REPO / "app" / "dashboard").iterdir()}
+    dashboard = {f"hsx/dashboard/{p.name}" for p in (REPO / "app" / "hsx" / "dashboard").iterdir()}
     assert "hsx/dashboard/index.html" in dashboard and dashboard <= set(names), sorted(dashboard - set(names))
     assert not [n for n in names if n.split("/")[0] in ("app", "migrations", "tests")]
+    # Every module of the source tree ships: a new subpackage is found, never left out of the wheel.
+    source = {p.relative_to(REPO / "app").as_posix() for p in (REPO / "app" / "hsx").rglob("*.py")}
+    assert source <= set(names), sorted(source - set(names))
 
 
 # transformers releases the model servers hsx runs beside pin: SGLang 0.5.23 requires transformers==5.19.0;

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import torch
+from sqlalchemy.engine import make_url
+
 from hsx.manifest import load_manifest, read_sample
 from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.sdk import HsxClient
-from sqlalchemy.engine import make_url
-
 from tests.support.procs import Process, free_port, hsx_command, synthetic_server_args
 from tests.support.tcp_proxy import TcpProxy
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade

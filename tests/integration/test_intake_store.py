@@ -8,10 +8,11 @@ import json
 import shutil
 
 import pytest
+from sqlalchemy import func, select
+
 from hsx.db.models import JobRow, SampleRow
 from hsx.service.errors import InsufficientStorage
 from hsx.service.intake import DiskCheck, Ingest, Limits, parse_sample, store
-from sqlalchemy import func, select
 
 
 def limits_for(estimate: int) -> Limits:

@@ -8,9 +8,10 @@ import time
 
 import numpy as np
 import pytest
+from sqlalchemy import update
+
 from hsx.db import repository as repo
 from hsx.db.models import WriterRow
-from sqlalchemy import update
 
 A, B = "host:/dump/a", "host:/dump/b"
 

@@ -5,6 +5,7 @@ nobody live can serve says why it waits."""
 from __future__ import annotations
 
 import numpy as np
+
 from hsx.db import repository as repo
 from hsx.db.models import JobRow
 from hsx.matching import Serves, model_key

@@ -5,12 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import inspect
+
 from hsx.db.engine import make_engine, upgrade
 from hsx.db.models import Base
-from sqlalchemy import inspect
 
 
 def test_migrated_schema_equals_models(database_url):
@@ -47,9 +49,7 @@ def test_alembic_command_line_upgrades_a_fresh_database(tmp_path):
 
 
 def _repo_root():
-    from hsx.db.engine import MIGRATIONS_DIR
-
-    return MIGRATIONS_DIR.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def test_processes_starting_together_on_an_empty_postgres_upgrade_it_once(postgres_url):

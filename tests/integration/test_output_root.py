@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.extraction.finishing import finish_job

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sqlalchemy import event, text
+
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.manifest import build_manifest
 from hsx.matching import Serves
-from sqlalchemy import event, text
 
 pytestmark = pytest.mark.postgres
 N = 30_000

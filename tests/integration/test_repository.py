@@ -9,13 +9,14 @@ from datetime import datetime, timezone
 
 import numpy as np
 import pytest
+from sqlalchemy import event, func, select, update
+from sqlalchemy.exc import IntegrityError
+
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.db.models import SampleRow, ThroughputRow
 from hsx.extraction.output_root import shared_output_root
 from hsx.service.cancelling import CancelSweeper
-from sqlalchemy import event, func, select, update
-from sqlalchemy.exc import IntegrityError
 
 
 def new_samples(n: int) -> list[repo.NewSample]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import socket
 
+from sqlalchemy import func, select
+
 from hsx.db.engine import make_engine
 from hsx.db.models import JobRow, SampleRow
-from sqlalchemy import func, select
 
 
 def problem(resp, status: int) -> dict:

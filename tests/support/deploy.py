@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+
 from hsx.cli import COMMANDS, build_parser
 from hsx.config import Settings
 from hsx_sglang import settings as plugin_settings
-from jsonschema import Draft202012Validator
-from referencing import Registry, Resource
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SCHEMAS = DEPLOY / "schemas"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from hsx.dtypes import DTYPES
 from hsx.manifest import MANIFEST_NAME, Manifest, ManifestSample, ManifestShard, write_manifest
 from hsx.states import JobState

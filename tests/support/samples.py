@@ -6,10 +6,10 @@ import hashlib
 import random
 
 import torch
-from hsx.manifest import Manifest, load_manifest, read_sample
-from hsx.states import JobState
 from safetensors import safe_open
 
+from hsx.manifest import Manifest, load_manifest, read_sample
+from hsx.states import JobState
 from tests.support.stack import NUM_LAYERS, VOCAB
 
 DEFAULT_LAYERS = [2, NUM_LAYERS // 2, NUM_LAYERS - 3, NUM_LAYERS]

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import httpx
 import torch
+
 from hsx.manifest import load_manifest, read_rows
 from hsx.reference.faults import BAD_DUMP_KINDS
 from hsx.reference.synthetic import synthetic_hidden_states
 from hsx.states import TERMINAL_JOB_STATES
-
 from tests.support.procs import Process, free_port, hsx_command, synthetic_server_args
 
 HIDDEN = 64

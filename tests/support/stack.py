@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 import torch
-from hsx.states import TERMINAL_JOB_STATES
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from hsx.states import TERMINAL_JOB_STATES
 from tests.support.procs import Process, free_port, hsx_command
 
 PLUGIN_SOURCE = Path(__file__).resolve().parents[2] / "deploy" / "sglang"

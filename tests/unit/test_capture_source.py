@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from hsx.backends.capture import CaptureProblem, decide, describe_model, read_plugin_info
 from hsx.backends.dumps import DumpRejected
 from hsx.backends.response import exact

@@ -7,10 +7,10 @@ import pickle
 import pytest
 import safetensors
 import torch
-from hsx.layers import eagle3_capture_layers, select_layers
-from hsx.training.dataset import HiddenStateDataset
 from torch.utils.data import DataLoader
 
+from hsx.layers import eagle3_capture_layers, select_layers
+from hsx.training.dataset import HiddenStateDataset
 from tests.support.jobs import LLAMA_LAYERS, llama_job, make_job, tiny_llama
 
 

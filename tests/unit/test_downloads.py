@@ -4,6 +4,7 @@ are tested against a running service in tests/acceptance/test_api_lifecycle.py."
 from __future__ import annotations
 
 import pytest
+
 from hsx.api.downloads import none_match, wanted_ranges
 from hsx.service.errors import RangeNotSatisfiable
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from hsx.backends.dumps import (
     Dump,
     DumpRejected,
@@ -33,7 +35,6 @@ from hsx.identity import Identity
 from hsx.reference.dumper import Dumper, input_ids_sha256
 from hsx.storage.safetensors_raw import TensorSpan
 from hsx.storage.shards import NonFiniteSamples, ShardSample, write_shard
-from safetensors.torch import load_file, save_file
 
 IDS = [101, 7, 9, 2048, 3, 77]
 N = len(IDS)

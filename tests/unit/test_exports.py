@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from hsx.cli import main as hsx
 from hsx.exports import export_job
 from hsx.exports.base import RECORD_NAME, ExportRefused
-from safetensors.torch import load_file, save_file
-
 from tests.support.jobs import LLAMA_LAYERS, llama_job, make_job, tiny_llama
 
 L = LLAMA_LAYERS

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from hsx.storage.finite import FiniteCheck
 
 ALL_16_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)

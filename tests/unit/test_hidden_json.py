@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+
 from hsx.backends.hidden_json import HiddenStatesAnswerParser, HiddenStatesJSONError, parse_hidden_states_answer
 
 ROWS, WIDTH = 6, 40

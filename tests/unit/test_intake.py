@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+
 from hsx.db.repository import NewSample
 from hsx.service.errors import InvalidInput
 from hsx.service.intake import Ingest, Limits, parse_sample

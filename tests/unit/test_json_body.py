@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from hsx.service.errors import InvalidInput
 from hsx.service.json_body import job_request
 

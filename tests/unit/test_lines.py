@@ -8,6 +8,7 @@ import random
 import tracemalloc
 
 import pytest
+
 from hsx.service.lines import LineSplitter, LineTooLongError
 
 KiB = 1024

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+
 from hsx.backends.dumps import DumpRejected, DumpRoot
 from hsx.backends.scan import RootScan, snapshot
 from hsx.identity import Identity

@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from hsx.backends.dumps import DumpRejected, identify, ids_sha256, read_meta, validate
 from hsx.identity import Identity
 from hsx_sglang.capture import PrefillCapture, start_capture
 from hsx_sglang.dumpdir import PLUGIN_INFO_FILE, TEMP_PREFIX, HostDump
 from hsx_sglang.layers import eagle3_layers
 from hsx_sglang.settings import PluginSettings, SettingsError, settings_from_env
-from safetensors.torch import load_file
-
 from tests.support.sglang.standins import GenerationBatchResult, LogitsProcessorOutput, Req, ScheduleBatch
 
 NUM_LAYERS = 32

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 import torch
+
 from hsx.backends.dumps import read_meta, validate
 from hsx_sglang import plugin
 from hsx_sglang.dumpdir import PLUGIN_INFO_FILE
 from hsx_sglang.settings import ENV_BOOT_ID, ENV_DUMP_ROOT
-
 from tests.support.sglang import standins
 from tests.support.sglang.standins import GenerationBatchResult, LogitsProcessorOutput, Req, ScheduleBatch
 

@@ -13,14 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from hsx.dtypes import DTYPES
 from hsx.manifest import Manifest, ManifestSample, ManifestShard, read_sample
 from hsx.states import JobState
 from hsx.storage import shards, sink
 from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, encode_header, read_index
 from hsx.storage.shards import SHARD_FORMAT, NonFiniteSamples, ShardSample, shard_name, write_shard
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 LAYERS = [3, 1]  # deliberately not sorted: the shard follows the order it is given
 HIDDEN = 6

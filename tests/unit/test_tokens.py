@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from hsx.config import Settings, parse_tokens
 from pydantic import ValidationError
+
+from hsx.config import Settings, parse_tokens
 
 
 def test_token_lists_and_their_roles():

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
+
 from hsx.cli import main as hsx
 from hsx.storage.safetensors_raw import read_index
 from hsx.verify import ShardRows, verify_job
-
 from tests.support.jobs import make_job, random_samples
 from tests.support.no_torch import env_without_torch
 

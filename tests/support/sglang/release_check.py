@@ -19,7 +19,6 @@ from pathlib import Path
 
 from hsx_sglang import plugin
 from hsx_sglang.settings import DEFAULT_RID_PREFIX
-
 from tests.support.sglang import standins
 
 PLUGIN_PACKAGE = Path(plugin.__file__).resolve().parent

@@ -1,0 +1,61 @@
+"""The FastAPI application, with the dump-root writer and the completion of cancels in the background,
+and the dashboard."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from hsx.api import dashboard, jobs, openapi, problems, routing, security, system
+from hsx.api.bodies import LargeBodies
+from hsx.config import Settings, parse_tokens
+from hsx.db.engine import make_engine, session_factory
+from hsx.extraction import Writer
+from hsx.service.backend_info import BackendInfo
+from hsx.service.cancelling import CancelSweeper
+
+
+def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
+    """Build the app on a database migrated to the newest schema (`hsx serve` migrates it first).
+    `writer`, when given, is already acquired and is started with the app."""
+    engine = make_engine(settings.database_url)
+    sessions = session_factory(engine)
+    cancels = CancelSweeper(sessions, settings.output_root, settings.cancel_batch)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        cancels.start()
+        if writer is not None:
+            writer.start_thread()
+        yield
+        if writer is not None:
+            writer.stop()
+        cancels.stop()
+        engine.dispose()
+
+    app = FastAPI(
+        title="hsx",
+        version="0.1.0",
+        summary="Extract hidden states sample by sample from an SGLang-style server into validated shards.",
+        lifespan=lifespan,
+        redirect_slashes=False,  # hsx.api.routing redirects, with a relative Location
+        generate_unique_id_function=openapi.operation_id,
+    )
+    # What the routes depend on (hsx.api.deps reads it).
+    app.state.settings = settings
+    app.state.sessions = sessions
+    app.state.read_sessions = session_factory(engine, readonly=True)
+    app.state.writer = writer
+    app.state.cancels = cancels
+    app.state.backend = BackendInfo(settings.backend_url)
+    app.state.large_bodies = LargeBodies(settings.max_large_bodies, settings.large_body_bytes)
+    problems.install(app)
+    security.install(app, settings.api_tokens)
+    routers = [jobs.router, system.router]
+    for router in routers:
+        app.include_router(router)
+    dashboard.install(app)
+    routing.install(app, routers)
+    openapi.install(app, bearer=bool(parse_tokens(settings.api_tokens)))
+    return app

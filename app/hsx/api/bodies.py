@@ -1,0 +1,119 @@
+"""A job creation's request body: refused before any of it is read when its declared length or its
+content coding cannot be taken, counted as it arrives, and, when large, taken in only a few at a time.
+
+A large body costs memory while it is parsed and a transaction while it is stored; past
+`max_large_bodies` of them at once, another is answered 503 with Retry-After straight away rather
+than queued, so neither memory nor the write lock is swamped and small requests keep their pace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from anyio.to_thread import run_sync
+from fastapi import Request
+
+from hsx.service.errors import Busy, ContentTooLarge, UnsupportedBody
+
+RETRY_AFTER_S = 5
+# The content coding bodies are read in: none.
+IDENTITY = "identity"
+
+
+class LargeBodies:
+    """The large bodies being taken in by this process (the event loop is its only user)."""
+
+    def __init__(self, slots: int, threshold: int):
+        self.slots = slots
+        self.threshold = threshold
+        self.taken = 0
+
+    def take(self) -> None:
+        if self.taken >= self.slots:
+            raise Busy(
+                f"{self.taken} job creations with a body over {self.threshold} bytes are being taken in; "
+                f"send this one again after Retry-After seconds",
+                RETRY_AFTER_S,
+            )
+        self.taken += 1
+
+    def give_back(self) -> None:
+        self.taken -= 1
+
+
+class Body:
+    """One request's body, read through `chunks()` or `read()`, at most `limit` bytes."""
+
+    def __init__(self, request: Request, limit: int, large: LargeBodies):
+        self.request = request
+        self.limit = limit
+        self.large = large
+        self.is_large = False
+        coding = request.headers.get("content-encoding", IDENTITY)
+        codings = [c.strip().lower() for c in coding.split(",") if c.strip()]
+        if any(c != IDENTITY for c in codings):
+            raise UnsupportedBody(
+                f"Content-Encoding {coding!r} is not supported; send the body unencoded",
+                headers={"Accept-Encoding": IDENTITY},
+            )
+        declared = request.headers.get("content-length")
+        self.declared = int(declared) if declared and declared.isdigit() else None
+        if self.declared is not None:
+            self._count(self.declared)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self.request.stream():
+            seen += len(chunk)
+            self._count(seen)
+            yield chunk
+
+    async def read(self) -> bytearray:
+        data = bytearray()
+        async for chunk in self.chunks():
+            data += chunk
+        return data
+
+    def close(self) -> None:
+        if self.is_large:
+            self.large.give_back()
+            self.is_large = False
+
+    def _count(self, size: int) -> None:
+        if size > self.limit:
+            if self.declared is not None and size == self.declared:
+                detail = f"the request body declares {size} bytes (Content-Length), over the limit of {self.limit}"
+            else:
+                detail = f"the request body is over the limit of {self.limit} bytes"
+            raise ContentTooLarge(detail, limit=self.limit)
+        if size > self.large.threshold and not self.is_large:
+            self.large.take()
+            self.is_large = True
+
+
+@asynccontextmanager
+async def job_body(request: Request, limit: int) -> AsyncIterator[Body]:
+    """The body of a job creation, its large-body slot (if it takes one) held until the job is stored."""
+    large: LargeBodies = request.app.state.large_bodies
+    body = Body(request, limit, large)
+    try:
+        yield body
+    finally:
+        was_large = body.is_large
+        body.close()
+        if was_large:
+            await run_sync(_give_memory_back)
+
+
+def _give_memory_back() -> None:
+    """Return the heap pages freed after a large body to the system. Parsing one frees many blocks
+    in the middle of the heap, which glibc otherwise keeps, leaving the process's RSS near its peak."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+_LIBC = ctypes.util.find_library("c")
+_MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC), "malloc_trim", None) if _LIBC else None  # glibc only

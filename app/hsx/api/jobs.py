@@ -1,0 +1,419 @@
+"""/v1/jobs: create jobs, follow their progress, act on them, fetch manifests, shards and samples."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, AsyncIterator
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import FileResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from hsx.api.bodies import job_body
+from hsx.api.deps import (
+    BackendDep,
+    CancelsDep,
+    ReadSessionDep,
+    ReadSessionsDep,
+    SessionDep,
+    SessionsDep,
+    SettingsDep,
+    WriterDep,
+)
+from hsx.api.downloads import FileDownload, none_match, wanted_ranges
+from hsx.api.params import JobCursor, JobId, NameQuery, SampleCursor, SampleIdPath, ShardName
+from hsx.api.problems import PROBLEM_MEDIA_TYPE
+from hsx.api.schemas import (
+    JobOut,
+    JobPage,
+    JobStateValue,
+    SampleOut,
+    SamplePage,
+    SampleStateValue,
+    ShardList,
+    Throughput,
+)
+from hsx.api.views import job_out, sample_out, shard_out, throughput_out
+from hsx.db import repository as repo
+from hsx.extraction import Writer
+from hsx.layers import check_layers, parse_layers
+from hsx.names import shown
+from hsx.service import jobs as service
+from hsx.service.errors import InvalidInput, NotFound, UnsupportedBody
+from hsx.service.tensors import sample_tensors
+from hsx.states import TERMINAL_JOB_STATES
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+def _problems(*codes: int) -> dict:
+    text = {
+        400: "Malformed Range header",
+        401: "Missing or unknown token",
+        403: "Not allowed",
+        404: "Not found",
+        409: "Not allowed in this state",
+        410: "A shard the job recorded is no longer in the output root",
+        413: "Body (or one NDJSON line) too large",
+        415: "Unsupported media type",
+        416: "Range not satisfiable",
+        422: "Invalid input",
+        503: "Database or output root unavailable, or (creation) too many large bodies at once; retry after "
+        "Retry-After seconds",
+        507: "Not enough room on the output volume",
+    }
+    schema = {"$ref": "#/components/schemas/Problem"}
+    return {
+        c: {"description": text[c], "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}}}
+        for c in (401, 403, 422, 503, *codes)  # 422: every route takes a parameter (see hsx.api.params)
+    }
+
+
+CREATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/JobCreate"}},
+            "application/x-ndjson": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": 'one sample object per line ({"id"?, "input_ids", "loss_mask"?}); '
+                "job name and layers come from the query string",
+            },
+        },
+    }
+}
+
+
+# --- creation -------------------------------------------------------------------------------
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobOut,
+    responses=_problems(413, 415, 507),
+    openapi_extra=CREATE_BODY,
+    summary="Create an extraction job",
+    description="Samples inline (`samples`), from a JSONL file under the service's input root "
+    "(`input_path`), or streamed as an `application/x-ndjson` body (one sample per line; "
+    "then `name` and `layers` come from the query string). All samples are checked before "
+    "anything is stored. With an `Idempotency-Key` header, repeating the same request "
+    "returns the first job; the same key with another body is a 422.",
+)
+async def create_job(
+    request: Request,
+    settings: SettingsDep,
+    sessions: SessionsDep,
+    backend: BackendDep,
+    writer: WriterDep,
+    name: NameQuery = None,
+    layers: Annotated[str | None, Query(description="comma-separated layers (NDJSON bodies only)")] = None,
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> JobOut:
+    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if media not in ("application/json", "application/x-ndjson"):
+        raise UnsupportedBody(f"send application/json or application/x-ndjson, not {media!r}")
+    ndjson = media == "application/x-ndjson"
+    async with job_body(request, settings.max_ndjson_bytes if ndjson else settings.max_json_bytes) as body:
+        if ndjson:
+            job = await service.create_job_from_ndjson(
+                sessions=sessions,
+                settings=settings,
+                backend=backend,
+                name=name,
+                layers=_layer_list(layers),
+                idempotency_key=idempotency_key,
+                body=body.chunks(),
+            )
+        else:
+            job = await run_in_threadpool(
+                service.create_job,
+                sessions=sessions,
+                settings=settings,
+                backend=backend,
+                body=await body.read(),
+                idempotency_key=idempotency_key,
+            )
+    _wake(writer)
+    return job_out(job)
+
+
+def _layer_list(layers: str | None) -> list[int] | None:
+    if layers is None:
+        return None
+    try:
+        return check_layers(parse_layers(layers))
+    except ValueError as exc:
+        raise InvalidInput([{"field": "layers", "message": str(exc)}]) from None
+
+
+def _wake(writer: Writer | None) -> None:
+    """Committed queued samples: this process's writer starts on them now, not at its next poll."""
+    if writer is not None:
+        writer.notify_work()
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+@router.api_route(
+    "", methods=["GET", "HEAD"], response_model=JobPage, responses=_problems(422), summary="List jobs, newest first"
+)
+def list_jobs(
+    session: ReadSessionDep,
+    state: JobStateValue | None = None,
+    after: JobCursor = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> JobPage:
+    rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
+    page = rows[:limit]
+    waiting = repo.waiting(session)
+    return JobPage(
+        data=[job_out(j, waiting.reason(j)) for j in page],
+        has_more=len(rows) > limit,
+        next_after=page[-1].id if len(rows) > limit else None,
+    )
+
+
+@router.api_route(
+    "/{job_id}",
+    methods=["GET", "HEAD"],
+    response_model=JobOut,
+    responses=_problems(404),
+    summary="A job's state and progress",
+)
+def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
+    job = service.get_job(session=session, job_id=job_id)
+    return job_out(job, repo.waiting(session).reason(job))
+
+
+@router.get(
+    "/{job_id}/events",
+    responses={
+        **_problems(404),
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "`event: job` with the job as JSON whenever it changes; ends once it is finished",
+        },
+    },
+    response_class=StreamingResponse,
+    summary="Live progress as server-sent events",
+)
+async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep):
+    def load() -> JobOut | None:
+        with sessions() as s:
+            job = repo.get_job(s, job_id)
+            return job_out(job, repo.waiting(s).reason(job)) if job else None
+
+    first = await run_in_threadpool(load)
+    if first is None:
+        raise NotFound(f"job {shown(job_id)}")
+
+    async def stream() -> AsyncIterator[bytes]:
+        job, last, quiet = first, None, 0.0
+        while True:
+            text = job.model_dump_json(exclude={"rate_tokens_per_s", "eta_s"})
+            if text != last:
+                yield f"event: job\ndata: {job.model_dump_json()}\n\n".encode()
+                last, quiet = text, 0.0
+            elif quiet >= 15:
+                yield b": keep-alive\n\n"
+                quiet = 0.0
+            if job.state in TERMINAL_JOB_STATES or await request.is_disconnected():
+                return
+            await asyncio.sleep(0.5)
+            quiet += 0.5
+            latest = await run_in_threadpool(load)
+            job = latest or job
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.api_route(
+    "/{job_id}/throughput",
+    methods=["GET", "HEAD"],
+    response_model=Throughput,
+    responses=_problems(404, 422),
+    summary="What the job extracted over time: samples, tokens and tokens per second in equal windows",
+    description="Windows are a multiple of 5 seconds wide, as narrow as `points` allows, from the job's first "
+    "extraction to its end (or now).",
+)
+def get_throughput(
+    job_id: JobId,
+    session: ReadSessionDep,
+    points: Annotated[int, Query(ge=1, le=1000, description="the most windows to return")] = 120,
+) -> Throughput:
+    job = service.get_job(session=session, job_id=job_id)
+    width, history = repo.job_throughput(session, job, points=points, now=time.time())
+    return throughput_out(job.id, width, history)
+
+
+@router.api_route(
+    "/{job_id}/samples",
+    methods=["GET", "HEAD"],
+    response_model=SamplePage,
+    responses=_problems(404),
+    summary="Per-sample state, token counts, attempts, errors and placement",
+)
+def list_samples(
+    job_id: JobId,
+    session: ReadSessionDep,
+    state: SampleStateValue | None = None,
+    after: SampleCursor = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> SamplePage:
+    service.get_job(session=session, job_id=job_id)
+    after_idx = None
+    if after is not None:
+        anchor = repo.get_sample(session, job_id, after)
+        if anchor is None:
+            raise InvalidInput([{"field": "after", "message": f"no sample {after!r} in this job to continue after"}])
+        after_idx = anchor.idx
+    rows = repo.list_samples(session, job_id, state=state, after_idx=after_idx, limit=limit + 1)
+    page = rows[:limit]
+    return SamplePage(
+        data=[sample_out(s) for s in page],
+        has_more=len(rows) > limit,
+        next_after=page[-1].sample_id if len(rows) > limit else None,
+    )
+
+
+# Sample ids may contain "/": they are the last, path-typed part of every URL that names one.
+@router.api_route(
+    "/{job_id}/tensors/{sample_id:path}",
+    methods=["GET", "HEAD"],
+    responses={
+        **_problems(404, 409, 410),
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "safetensors: input_ids, loss_mask, layer_<i>",
+        },
+    },
+    response_class=Response,
+    summary="One stored sample's tensors as a small safetensors file (GET or HEAD)",
+)
+def get_sample_tensors(
+    job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep, settings: SettingsDep
+) -> Response:
+    sample, data = sample_tensors(session=session, job_id=job_id, sample_id=sample_id, output_root=settings.output_root)
+    return Response(
+        data,
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="sample-{sample.idx}.safetensors"'},
+    )
+
+
+@router.api_route(
+    "/{job_id}/samples/{sample_id:path}",
+    methods=["GET", "HEAD"],
+    response_model=SampleOut,
+    responses=_problems(404),
+    summary="One sample, with every attempt and its outcome",
+)
+def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) -> SampleOut:
+    sample = service.get_sample(session=session, job_id=job_id, sample_id=sample_id)
+    return sample_out(sample, repo.sample_attempts(session, sample.pk))
+
+
+@router.api_route(
+    "/{job_id}/manifest",
+    methods=["GET", "HEAD"],
+    responses=_problems(404, 410),
+    summary="The job's manifest (GET or HEAD): model, layers, shards (with sha256) and where each sample lies",
+)
+def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
+    manifest = service.job_manifest(session=session, job_id=job_id, output_root=settings.output_root)
+    return manifest.model_dump(mode="json")
+
+
+@router.api_route(
+    "/{job_id}/shards",
+    methods=["GET", "HEAD"],
+    response_model=ShardList,
+    responses=_problems(404),
+    summary="The shards written so far, without the manifest's list of samples",
+)
+def list_shards(job_id: JobId, session: ReadSessionDep) -> ShardList:
+    service.get_job(session=session, job_id=job_id)
+    return ShardList(data=[shard_out(s) for s in repo.job_shards(session, job_id)])
+
+
+@router.api_route(
+    "/{job_id}/shards/{name}",
+    methods=["GET", "HEAD"],
+    responses={
+        **_problems(404, 410, 416),
+        200: {"content": {"application/octet-stream": {}}, "description": "the shard (safetensors)"},
+        206: {"description": "the requested byte ranges (Range)"},
+        304: {"description": "the shard matches If-None-Match"},
+    },
+    response_class=FileResponse,
+    summary="Download one shard (GET or HEAD); supports Range, If-Range, ETag (its sha256) and If-None-Match",
+)
+def get_shard(job_id: JobId, name: ShardName, session: ReadSessionDep, settings: SettingsDep, request: Request):
+    shard, path, _ = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
+    etag = f'"{shard.sha256}"'
+    headers = {"ETag": etag, "X-Content-SHA256": shard.sha256, "Cache-Control": "private, max-age=0"}
+    if none_match(request.headers.get("if-none-match"), etag):
+        return Response(status_code=304, headers=headers)
+    ranges = wanted_ranges(request.headers.get("range"), request.headers.get("if-range"), etag, shard.bytes)
+    return FileDownload(
+        path, ranges=ranges, media_type="application/octet-stream", filename=shard.name, headers=headers
+    )
+
+
+# --- actions ----------------------------------------------------------------------------------
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobOut,
+    responses=_problems(404, 409),
+    summary="Cancel: queued samples are cancelled; those in flight finish and are stored",
+    description="Answers at once with the job `cancelling`, whatever its size: from then on none of its samples "
+    "is started, its queued samples are cancelled in the background (in batches of `--cancel-batch`), and the "
+    "samples already running or staged finish and are stored. The job becomes `cancelled`, its manifest "
+    "written, once none is queued, running or staged. Cancelling a job that is already `cancelling` returns "
+    "it unchanged; a finished job is a 409.",
+)
+def cancel_job(job_id: JobId, session: SessionDep, cancels: CancelsDep) -> JobOut:
+    job = job_out(service.cancel_job(session=session, job_id=job_id))
+    cancels.wake()
+    return job
+
+
+@router.post(
+    "/{job_id}/retry",
+    response_model=JobOut,
+    responses=_problems(404, 409),
+    summary="Queue the job's failed samples again, with a fresh attempt budget",
+    description="A 409 when the job has no failed samples, or is `cancelling` or `cancelled`.",
+)
+def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
+    job = service.retry_job(session=session, job_id=job_id)
+    _wake(writer)
+    return job_out(job)
+
+
+@router.delete(
+    "/{job_id}",
+    status_code=204,
+    response_class=Response,
+    responses=_problems(404, 409),
+    summary="Delete a finished job's records, and with delete_files=true its shards and manifest",
+    description="Only a finished (`succeeded`, `failed` or `cancelled`) job: a 409 while it is `queued`, "
+    "`running` or `cancelling`.",
+)
+def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:
+    service.delete_job(session=session, job_id=job_id, output_root=settings.output_root, delete_files=delete_files)
+    return Response(status_code=204)
+
+
+@router.post(
+    "/{job_id}/verify",
+    responses=_problems(404, 409),
+    summary="Check every shard's sha256 and every sample's shapes, dtype and finite values",
+)
+def verify(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
+    return service.verify_job(session=session, job_id=job_id, output_root=settings.output_root)

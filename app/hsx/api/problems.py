@@ -1,0 +1,96 @@
+"""RFC 9457 problem details: every error the API returns is application/problem+json, the service's
+business errors (hsx.service.errors) as they describe themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hsx.service.errors import InvalidInput, ServiceError
+from hsx.storage.output_root import OutputRootMismatch
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+
+def problem_response(
+    status: int, title: str, detail: str, type_: str, headers: Mapping[str, str] | None = None, **extra
+) -> JSONResponse:
+    body = {"type": type_, "title": title, "status": status, "detail": detail, **extra}
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+
+
+def http_problem(exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own errors (404 for no route, 405, ...) as problems."""
+    phrase = HTTPStatus(exc.status_code).phrase
+    slug = phrase.lower().replace(" ", "-")
+    return problem_response(exc.status_code, phrase, str(exc.detail), f"/problems/{slug}", exc.headers)
+
+
+PROBLEM_SCHEMA = {
+    "type": "object",
+    "description": "RFC 9457 problem details",
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "errors": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sample_index": {"type": "integer"},
+                    "line": {"type": "integer"},
+                    "sample_id": {"type": "string"},
+                    "field": {"type": "string"},
+                    "message": {"type": "string"},
+                },
+            },
+        },
+    },
+    "required": ["type", "title", "status", "detail"],
+}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _problem(_: Request, exc: ServiceError):
+        return problem_response(exc.status, exc.title, exc.detail, exc.type, exc.headers, **exc.extra)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        err = InvalidInput.from_pydantic(exc.errors())
+        return problem_response(err.status, err.title, err.detail, err.type, **err.extra)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return http_problem(exc)
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    async def _database(_: Request, exc: DBAPIError):
+        # A database that is restarting or unreachable is a temporary condition the client can
+        # retry, not a server bug; nothing was stored (the transaction rolled back).
+        return problem_response(
+            503,
+            "Service Unavailable",
+            f"database unavailable: {type(exc.orig).__name__}",
+            "/problems/database-unavailable",
+            {"Retry-After": "2"},
+        )
+
+    @app.exception_handler(OutputRootMismatch)
+    async def _output_root(_: Request, exc: OutputRootMismatch):
+        # Writing a manifest found the output root gone from under the service (a file system that
+        # dropped away): the action rolled back, and can be sent again once the folder is back.
+        return problem_response(503, "Service Unavailable", str(exc), "/problems/output-root-unavailable")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        return problem_response(500, "Internal Server Error", f"unexpected {type(exc).__name__}", "/problems/internal")

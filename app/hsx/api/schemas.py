@@ -1,0 +1,343 @@
+"""Request and response bodies of the HTTP API."""
+
+from __future__ import annotations
+
+import enum
+import json
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal, TypeVar, overload
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetPydanticSchema,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonDict
+from pydantic_core import core_schema
+
+from hsx.layers import check_layers
+from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
+from hsx.states import JobState, SampleState
+
+
+def _one_of(states: type[enum.Enum]) -> GetPydanticSchema:
+    """Checked as one of the values, then made the member. The field's type stays `str` (which the
+    members are) so that FastAPI adds no component for the enum: the document lists the values where
+    a state is used, as it always has."""
+    values = core_schema.literal_schema([s.value for s in states])
+    return GetPydanticSchema(lambda _type, _handler: core_schema.no_info_after_validator_function(states, values))
+
+
+# A relative file name, under the character rule of ids and names, no longer than Linux's PATH_MAX (the
+# input root adds to it; the file system refuses what is then too long, see intake.resolve_input_path).
+MAX_INPUT_PATH = 4096
+InputPath = Annotated[PlainText, Field(max_length=MAX_INPUT_PATH, json_schema_extra={"pattern": PATTERN})]
+
+JobStateValue = Annotated[str, _one_of(JobState)]
+SampleStateValue = Annotated[str, _one_of(SampleState)]
+
+
+# Token ids are stored as int32.
+MAX_TOKEN_ID = 2**31 - 1
+# The intake (hsx.service.intake) checks these rules with messages that name the sample; the schema
+# states them too, so that the document says which bodies are valid.
+TOKEN_IDS_SCHEMA: JsonDict = {"minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}
+LOSS_MASK_SCHEMA: JsonDict = {
+    "anyOf": [{"type": "array", "items": {"type": "integer", "enum": [0, 1]}}, {"type": "null"}]
+}
+LAYERS_SCHEMA: JsonDict = {
+    "anyOf": [
+        {"type": "array", "minItems": 1, "uniqueItems": True, "items": {"type": "integer", "minimum": 0}},
+        {"type": "null"},
+    ]
+}
+# Exactly one of the two sources, as `JobCreate._one_source` requires (null counts as absent); examples.
+JOB_CREATE_SCHEMA: JsonDict = {
+    "oneOf": [
+        {
+            "required": ["samples"],
+            "properties": {"samples": {"type": "array", "minItems": 1}, "input_path": {"type": "null"}},
+        },
+        {"required": ["input_path"], "properties": {"input_path": {"type": "string"}, "samples": {"type": "null"}}},
+    ],
+    "examples": [
+        {
+            "name": "demo",
+            "samples": [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [4, 5], "loss_mask": [0, 1]}],
+        },
+    ],
+}
+
+
+class SampleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: SampleId | None = Field(
+        None,
+        description=f"unique within the job; default: the sample's index. A string of 1 to {MAX_LENGTH} characters "
+        "without control characters, or a 64-bit integer (stored as its decimal text)",
+    )
+    input_ids: list[StrictInt] = Field(
+        ...,
+        description="prompt token ids, at least one, each below the model's vocabulary size",
+        json_schema_extra=TOKEN_IDS_SCHEMA,
+    )
+    loss_mask: list[StrictInt] | None = Field(
+        None,
+        description="0/1 per token, as many as input_ids; default all 1",
+        json_schema_extra=LOSS_MASK_SCHEMA,
+    )
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=JOB_CREATE_SCHEMA)
+
+    name: Name | None = Field(None, description=f"at most {MAX_LENGTH} characters, without control characters")
+    samples: list[SampleIn] | None = Field(None, description="the samples, inline")
+    input_path: InputPath | None = Field(
+        None, description="a JSONL file (one sample object per line) relative to the service's input root"
+    )
+    layers: list[StrictInt] | None = Field(
+        None,
+        description="captured layers the job requires, ascending; the server must capture exactly these",
+        json_schema_extra=LAYERS_SCHEMA,
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.samples is None) == (self.input_path is None):
+            raise ValueError("give exactly one of samples or input_path")
+        return self
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v: list[int] | None) -> list[int] | None:
+        return None if v is None else check_layers(v)
+
+
+class Counts(BaseModel):
+    total: int
+    queued: int
+    running: int
+    staged: int = Field(description="validated and waiting for their shard to be written")
+    succeeded: int
+    failed: int
+    cancelled: int
+
+
+class Tokens(BaseModel):
+    total: int
+    done: int = Field(description="in written shards")
+    staged: int = Field(description="validated, waiting for their shard")
+
+
+class JobOut(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    name: str | None
+    state: JobStateValue
+    error: str | None = Field(description="why the job failed as a whole, e.g. the server captures other layers")
+    waiting_reason: str | None = Field(None, description="why an active job makes no progress right now")
+    created_at: datetime
+    started_at: datetime | None = Field(description="when its first sample was claimed")
+    cancel_requested_at: datetime | None = Field(
+        description="when it was cancelled: it stays `cancelling` while its queued samples are cancelled in the "
+        "background and those in flight are stored"
+    )
+    finished_at: datetime | None = Field(description="when it reached succeeded, failed or cancelled")
+    counts: Counts
+    tokens: Tokens
+    rate_tokens_per_s: float | None
+    eta_s: float | None = Field(
+        description="seconds left at the present rate; null before any rate, and while cancelling"
+    )
+    shards_written: int
+    estimated_bytes: int | None = Field(
+        description="bytes its shards will take; null when the server's shape was unknown at creation"
+    )
+    disk_warning: str | None = Field(description="set when the output volume looked too small at creation")
+    layers: list[int] | None
+    model: dict | None
+    manifest_url: str
+
+
+class JobPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobOut]
+    has_more: bool
+    next_after: str | None = Field(description="pass as ?after= for the next page")
+
+
+class AttemptOut(BaseModel):
+    number: int
+    worker: str | None = Field(
+        None, description="the writer that ran it (host:dump root; `#n` marks one of its in-flight slots)"
+    )
+    outcome: str | None
+    reason: str | None
+    started_at: datetime
+    finished_at: datetime | None
+    dump: str | None
+    observed_tokens: int | None
+    boot_id: str | None
+
+
+class SampleOut(BaseModel):
+    id: str
+    index: int
+    state: SampleStateValue
+    expected_tokens: int
+    observed_tokens: int | None
+    attempts: int
+    last_error: str | None
+    shard: str | None
+    offset: int | None
+    attempt_log: list[AttemptOut] | None = None
+
+
+class SamplePage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SampleOut]
+    has_more: bool
+    next_after: str | None = Field(description="pass as ?after= for the next page")
+
+
+class ShardOut(BaseModel):
+    name: str
+    bytes: int
+    sha256: str
+    num_samples: int
+    num_tokens: int
+    created_at: datetime
+    url: str = Field(description="where to download it (Range and If-None-Match supported)")
+
+
+class ShardList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ShardOut] = Field(description="every shard written so far, in order")
+
+
+class ThroughputPoint(BaseModel):
+    start: datetime = Field(description="where the window begins")
+    seconds: float = Field(description="how much of the window the job was running (the last one may be partial)")
+    samples: int = Field(description="samples extracted (validated and staged) in the window")
+    tokens: int = Field(description="their tokens")
+    tokens_per_s: float = Field(description="tokens / seconds; 0 for a window the job did not run in")
+
+
+class Throughput(BaseModel):
+    object: Literal["throughput"] = "throughput"
+    job_id: str
+    window_s: int = Field(description="the width of every window, in seconds")
+    points: list[ThroughputPoint] = Field(
+        description="oldest first, from the job's first extraction to its end (or now), windows without any "
+        "extraction included; empty until it has extracted something"
+    )
+
+
+class WriterOut(BaseModel):
+    identity: str = Field(description="host:dump root")
+    state: str = Field(description="starting, ready, waiting, refusing or stopped")
+    reason: str | None = Field(description="why it is not ready")
+    server: dict | None = Field(
+        description="the model server it extracts from, as last checked (GET /v1/workers "
+        "has every writer with its lease)"
+    )
+    heartbeat_at: datetime
+    tokens_per_s: float | None = Field(None, description="tokens it extracted per second over the last minute")
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    database: str
+    writer: dict | None = Field(
+        description="this process's writer, when it runs one: identity, state, reason, server, tokens_per_s"
+    )
+    writers: list[WriterOut] = Field(default_factory=list, description="every writer that reported recently")
+
+
+class TokenInfo(BaseModel):
+    object: Literal["token"] = "token"
+    tokens_required: bool = Field(description="whether the service was started with --api-tokens")
+    role: Literal["read", "write"] = Field(
+        description="what the presented token may do: read (GET and verify only) or write (everything)"
+    )
+
+
+class WorkerOut(BaseModel):
+    """A writer (an `hsx worker`, or `hsx serve` with its writer) as it last reported itself."""
+
+    identity: str = Field(description="host:dump root")
+    state: str = Field(
+        description="starting, ready, waiting, refusing, stopped, or lost (its lease expired and its samples "
+        "went back to the queue)"
+    )
+    reason: str | None = Field(description="why it is not ready")
+    backend_url: str | None = Field(description="its model server")
+    model_path: str | None = Field(description="the model its server reports")
+    model_key: str | None = Field(
+        None,
+        description="its model's identity (a digest of the model as its server describes it): a job's samples "
+        "go only to workers of the model and layers its first stored sample came from",
+    )
+    layers: list[int] | None = Field(description="the layers its server gives")
+    source: str | None = Field(description="dumps or response: how it takes hidden states from its server")
+    started_at: datetime
+    heartbeat_at: datetime = Field(description="its last heartbeat")
+    lease_expires_at: datetime | None = Field(description="when its samples go back to the queue unless it renews")
+    lease: int = Field(description="its fencing token: raised each time it registers or its lease is taken over")
+    samples_staged: int | None = Field(description="samples it extracted since it started")
+    tokens_per_s: float | None = Field(description="tokens it extracted per second, over the last minute")
+
+
+class WorkerList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[WorkerOut]
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(model: type[Body], text: bytes | bytearray | str, *, strict: bool | None = None) -> Body:
+    """`model` from JSON text. JSON has one kind of number, and JSON Schema's "integer" (what the
+    document says these fields are) includes 3.0: when integers written with a zero fraction are
+    what the fast parse refused, the text is parsed again with them read as integers."""
+    try:
+        return model.model_validate_json(text, strict=strict)
+    except ValidationError as exc:
+        if not any(_integral(e.get("input")) for e in exc.errors()):
+            raise
+    return model.model_validate(_integers(json.loads(text)), strict=strict)
+
+
+def _integral(value: object) -> bool:
+    return isinstance(value, float) and value.is_integer()
+
+
+def _integers(value: Any) -> Any:
+    """`value` with every integral float in it an int (request bodies have no float fields)."""
+    if isinstance(value, list):
+        return [_integers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integers(v) for k, v in value.items()}
+    return int(value) if _integral(value) else value
+
+
+@overload
+def utc(dt: datetime) -> datetime: ...
+
+
+@overload
+def utc(dt: None) -> None: ...
+
+
+def utc(dt: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    if dt is None or dt.tzinfo is not None:
+        return dt
+    return dt.replace(tzinfo=timezone.utc)

@@ -1,0 +1,239 @@
+"""What every export shares: layer checks, refusal, per-file atomic writes, resume, the record file.
+
+An export turns a job (manifest + shards) into one file per sample in a training framework's own
+offline layout. It refuses (ExportRefused, nothing written) a job whose captured layers do not fit the
+target's convention. Each file is written under a temporary name in its own folder, fsynced and
+renamed (`atomic_file`), so a file that exists under its final name is complete; a rerun skips
+those and writes only the missing ones. `hsx-export.json` in the output folder records the job, the
+settings and which sample each file holds; a rerun with other settings, or into a folder that holds
+something else, is refused instead of mixing two exports.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Callable, ClassVar
+
+import torch
+
+from hsx.layers import layer_key
+from hsx.manifest import ManifestSample
+from hsx.storage.atomic import atomic_file
+from hsx.training.reader import ShardReader, StoredJob
+
+RECORD_NAME = "hsx-export.json"
+RECORD_FORMAT = "hsx-export/1"
+LOCK_NAME = ".hsx-export.lock"
+# atomic_file's temporary names: `.<name>.tmp-<pid>`; one left by a killed run is removed on resume
+_TEMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
+
+
+class ExportRefused(Exception):
+    """The job, or the output folder, does not fit the export; the message says why."""
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    rel_path: str  # relative to the output folder, "/"-separated
+    index: int  # the sample's position in the manifest
+    sample_id: str
+
+
+@dataclass
+class ExportResult:
+    target: str
+    out_dir: Path
+    total: int
+    written: int
+    skipped: int
+    extra_files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def own(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whose storage is exactly its data (torch.save writes a view's whole storage)."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+def require_num_layers(job: StoredJob, num_layers: int | None) -> int:
+    """L, the model's number of decoder layers: from the manifest, or --num-layers when it lacks it."""
+    declared = job.num_hidden_layers
+    if num_layers is not None and declared is not None and int(num_layers) != declared:
+        raise ExportRefused(f"--num-layers {num_layers} contradicts the manifest's model.num_hidden_layers {declared}")
+    value = declared if declared is not None else num_layers
+    if value is None:
+        raise ExportRefused(
+            "the manifest does not record model.num_hidden_layers, so which captured layer is "
+            "the final (post-norm) one is unknown; pass --num-layers"
+        )
+    if int(value) < 1:
+        raise ExportRefused(f"number of layers must be positive, got {value}")
+    return int(value)
+
+
+def require_post_norm_last(job: StoredJob, target: str, last: int) -> None:
+    """Refuse a last layer that the manifest records as taken before the final norm (a manifest that
+    does not say follows hsx's numbering, where layer L is after it)."""
+    if job.manifest.post_norm(last) is False:
+        raise ExportRefused(
+            f"{target} takes layer {last} as the final hidden state after the model's final norm, but the "
+            f"manifest's post_norm_layers {job.manifest.post_norm_layers} say it is not"
+        )
+
+
+def require_layers(job: StoredJob, target: str, wanted: list[int], what: str) -> None:
+    missing = [i for i in wanted if i not in job.layers]
+    if missing:
+        raise ExportRefused(
+            f"{target} needs layers {wanted} ({what}); the job captured {job.layers}, without {missing}"
+        )
+
+
+class Exporter(ABC):
+    """One target's file layout. Subclasses fill in plan, encode and the settings a rerun must match."""
+
+    target: ClassVar[str] = ""
+
+    def __init__(self, job: StoredJob):
+        self.job = job
+
+    @abstractmethod
+    def plan(self) -> list[PlannedFile]:
+        """Every file the export writes, in order, with the sample it holds."""
+
+    @abstractmethod
+    def keys(self) -> list[str]:
+        """The shard tensors one file needs."""
+
+    @abstractmethod
+    def settings(self) -> dict:
+        """Everything that shapes the files; a rerun into the same folder must match it."""
+
+    def notes(self) -> list[str]:
+        """What a user needs to know to point the target's trainer at the result."""
+        return []
+
+    def preflight(self, reader: ShardReader) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """A check on real data before anything is written (optional)."""
+
+    @abstractmethod
+    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
+        """Write one file's content for one sample's rows."""
+
+    def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:
+        """Write files that describe the whole export (after every per-sample file); return their names."""
+        return []
+
+    # helpers for subclasses
+    def layer_rows(self, rows: dict[str, torch.Tensor], layers: list[int]) -> list[torch.Tensor]:
+        return [rows[layer_key(i)] for i in layers]
+
+
+def _read_record(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def _check_folder(out_dir: Path, record: dict, plan: list[PlannedFile]) -> bool:
+    """Refuse an output folder that holds anything but an earlier run of this same export.
+
+    Returns whether the earlier run finished with exactly this record (nothing to do but check files).
+    """
+    record_path = out_dir / RECORD_NAME
+    others = [p.name for p in out_dir.iterdir() if p.name not in (LOCK_NAME, RECORD_NAME)]
+    if not record_path.exists():
+        if others:
+            raise ExportRefused(f"{out_dir} is not empty and holds no {RECORD_NAME}; export into an empty folder")
+        return False
+    old = _read_record(record_path)
+    if old is None or old.get("format") != RECORD_FORMAT:
+        raise ExportRefused(f"{record_path} is unreadable; export into an empty folder")
+    for key in ("target", "job_id", "settings"):
+        if old.get(key) != record[key]:
+            raise ExportRefused(
+                f"{out_dir} holds a {old.get('target')} export of job {old.get('job_id')} with "
+                f"other settings ({key}: {old.get(key)!r}, now {record[key]!r}); "
+                "export into an empty folder"
+            )
+    new_files = {p.rel_path: p.sample_id for p in plan}
+    for rel, sid in old.get("files", []):
+        if new_files.get(rel) != sid:
+            raise ExportRefused(
+                f"{out_dir}/{rel} holds sample {sid!r} but the job now maps it to "
+                f"{new_files.get(rel)!r}; export into an empty folder"
+            )
+    return bool(old.get("complete")) and old == {**record, "complete": True}
+
+
+def _remove_stale_temps(folders: set[Path]) -> None:
+    for d in folders:
+        if d.is_dir():
+            for p in d.iterdir():
+                if _TEMP_NAME.match(p.name) and p.is_file():
+                    p.unlink(missing_ok=True)
+
+
+def _write_record(path: Path, record: dict) -> None:
+    with atomic_file(path) as f:
+        f.write(json.dumps(record, indent=1).encode() + b"\n")
+
+
+def run_export(
+    exporter: Exporter, out_dir: str | os.PathLike, progress: Callable[[int, int], None] | None = None
+) -> ExportResult:
+    """Write every planned file not yet complete in `out_dir`; see the module docstring."""
+    out_dir = Path(out_dir)
+    job = exporter.job
+    plan = exporter.plan()
+    record = {
+        "format": RECORD_FORMAT,
+        "target": exporter.target,
+        "job_id": job.job_id,
+        "source": str(job.manifest_path.resolve()),
+        "settings": exporter.settings(),
+        "files": [[p.rel_path, p.sample_id] for p in plan],
+        "complete": False,
+    }
+    if out_dir.resolve() == job.job_dir.resolve():
+        raise ExportRefused("the output folder is the job folder; choose another")
+    reader = ShardReader(job.job_dir)
+    if any(not (out_dir / p.rel_path).exists() for p in plan):
+        exporter.preflight(reader)  # a refusal on real data leaves the folder as it was
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOCK_NAME, "a+b") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ExportRefused(f"another export is writing into {out_dir}") from None
+        finished_before = _check_folder(out_dir, record, plan)
+        if not finished_before:
+            _write_record(out_dir / RECORD_NAME, record)
+        _remove_stale_temps({out_dir} | {(out_dir / p.rel_path).parent for p in plan})
+        entries = job.samples
+        keys = exporter.keys()
+        todo = [p for p in plan if not (out_dir / p.rel_path).exists()]
+        written = 0
+        for n, p in enumerate(todo):
+            entry = entries[p.index]
+            rows = reader.sample(entry, keys)
+            with atomic_file(out_dir / p.rel_path) as f:
+                exporter.encode(f, rows, entry, p)
+            written += 1
+            if progress is not None:
+                progress(len(plan) - len(todo) + n + 1, len(plan))
+        extra = exporter.finalize(out_dir, reader, changed=written > 0 or not finished_before)
+        if not finished_before:
+            _write_record(out_dir / RECORD_NAME, {**record, "complete": True})
+        reader.close()
+    return ExportResult(exporter.target, out_dir, len(plan), written, len(plan) - written, extra, exporter.notes())

@@ -1,0 +1,225 @@
+"""vLLM speculators offline data (vllm-project/speculators).
+
+Layout, as `scripts/data_generation_offline.py` leaves it and `ArrowDataset` (`src/speculators/train/data.py`,
+through `hs_connectors.FileTransfer`) reads it:
+
+    <out>/hidden_states/hs_<idx>.safetensors     idx = the sample's row in the training dataset
+        hidden_states  [T, n_layers, H]   target_layer_ids in order: the aux layers, then the last layer
+        token_ids      int64 [T]
+
+The trainer takes `hidden_states[:, :-1].flatten(1)` as the drafter input ([T, 3H]) and
+`hidden_states[:, -1]` as `verifier_last_hidden_states`, to which it applies the verifier's own final
+norm (`verifier_norm`) before its lm_head: speculators stores the last layer *before* the final norm
+(vLLM's extract_hidden_states with layer id L). Its `loss_mask` and `seq_len` come from the
+preprocessed (Arrow) dataset, row idx; this export writes them to `<out>/hsx_samples.jsonl`.
+
+hsx's layer L is *after* the final norm (the manifest's `post_norm_layers` says so; an older manifest
+that does not follows hsx's numbering), and the pre-norm output of the last decoder layer has no layer
+number, so this export refuses unless it is given the final norm's weight (`final_norm_weight`): it
+then stores L / (weight + offset), which the trainer's RMS norm turns back into L. The offset is 1 for
+the Gemma-style norms that scale by 1 + weight, known from the manifest's `model.model_type`, else 0.
+Every row is checked to have RMS 1 after the division (what an RMS-normed row divided by its scale
+must have), so a wrong weight or norm convention is refused rather than exported. A manifest whose
+`post_norm_layers` leave L out holds it before the norm already: it is stored as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
+from hsx.layers import eagle3_aux_layers, layer_key
+from hsx.manifest import ManifestSample
+from hsx.storage.atomic import atomic_file
+from hsx.training.reader import ShardReader, StoredJob
+
+SAMPLES_NAME = "hsx_samples.jsonl"
+NORM_KEYS = (
+    "model.norm.weight",
+    "model.language_model.norm.weight",
+    "language_model.model.norm.weight",
+    "model.model.norm.weight",
+    "norm.weight",
+)
+RMS_TOLERANCE = 0.02
+# transformers model types whose RMS norm scales by 1 + weight (their weights are stored centred on 0).
+ONE_PLUS_WEIGHT_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next"})
+
+
+def default_norm_offset(model_type: str | None) -> float:
+    """The final norm's offset (it scales by weight + offset) for a model type: 1 or 0."""
+    return 1.0 if model_type in ONE_PLUS_WEIGHT_NORMS else 0.0
+
+
+def load_final_norm_weight(path: str | Path, key: str | None = None) -> tuple[torch.Tensor, str]:
+    """The final norm's weight from a checkpoint folder (safetensors) or one .safetensors file."""
+    path = Path(path)
+    candidates = (key,) if key else NORM_KEYS
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        files = sorted(path.glob("*.safetensors"))
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = [path / weight_map[k] for k in candidates if k in weight_map] or files
+    elif path.is_file() and path.suffix == ".safetensors":
+        files = [path]
+    else:
+        raise ExportRefused(f"--final-norm-weight {path}: not a checkpoint folder or a .safetensors file")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names = set(f.keys())
+            for k in candidates:
+                if k in names:
+                    return f.get_tensor(k), f"{file.name}:{k}"
+    raise ExportRefused(
+        f"--final-norm-weight {path}: no tensor named {' or '.join(candidates)}; name it with --final-norm-key"
+    )
+
+
+def norm_refusal(hidden_size: int) -> str:
+    return (
+        "speculators stores the last layer before the final norm and its trainer applies the verifier's "
+        "norm to it; this job's last layer is after the final norm (hsx numbering), so exported as is the "
+        "norm would be applied twice. Pass --final-norm-weight <checkpoint> (the target model's final norm, "
+        f"{hidden_size} values) to store it with the norm's scale divided out, or use the specforge or "
+        "modelopt export, which take the post-norm layer"
+    )
+
+
+class SpeculatorsExporter(Exporter):
+    target = "speculators"
+
+    def __init__(
+        self,
+        job: StoredJob,
+        *,
+        num_layers: int | None = None,
+        aux_layers: list[int] | None = None,
+        final_norm_weight: str | Path | None = None,
+        final_norm_key: str | None = None,
+        final_norm_offset: float | None = None,
+    ):
+        super().__init__(job)
+        self.num_layers = require_num_layers(job, num_layers)
+        self.aux_layers = list(aux_layers) if aux_layers is not None else eagle3_aux_layers(self.num_layers)
+        aux = self.aux_layers
+        if not aux or self.num_layers in aux or len(set(aux)) != len(aux):
+            raise ExportRefused(
+                f"aux layers {self.aux_layers} must be distinct and exclude the last layer {self.num_layers}"
+            )
+        require_layers(
+            job,
+            self.target,
+            self.aux_layers + [self.num_layers],
+            f"target_layer_ids {self.aux_layers + [self.num_layers]}: the aux layers, then the last layer",
+        )
+        self.final_norm_offset = (
+            float(final_norm_offset) if final_norm_offset is not None else default_norm_offset(job.model_type)
+        )
+        # The scale the last layer is divided by; None when the manifest says it is before the norm already.
+        self.scale: torch.Tensor | None = None
+        self.norm_source = ""
+        if job.manifest.post_norm(self.num_layers) is not False:
+            self._load_scale(final_norm_weight, final_norm_key)
+
+    def _load_scale(self, final_norm_weight: str | Path | None, final_norm_key: str | None) -> None:
+        job = self.job
+        if final_norm_weight is None:
+            raise ExportRefused(norm_refusal(job.hidden_size))
+        weight, self.norm_source = load_final_norm_weight(final_norm_weight, final_norm_key)
+        if tuple(weight.shape) != (job.hidden_size,):
+            raise ExportRefused(
+                f"final norm weight {self.norm_source} has shape {tuple(weight.shape)}, "
+                f"the job's hidden size is {job.hidden_size}"
+            )
+        self.scale = weight.to(torch.float32) + self.final_norm_offset
+        if bool((self.scale.abs() < 1e-12).any()) or not bool(torch.isfinite(self.scale).all()):
+            raise ExportRefused(
+                f"final norm scale from {self.norm_source} has zero or non-finite entries; the norm cannot be undone"
+            )
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.aux_layers + [self.num_layers]
+
+    def plan(self) -> list[PlannedFile]:
+        return [PlannedFile(f"hidden_states/hs_{i}.safetensors", i, s.id) for i, s in enumerate(self.job.samples)]
+
+    def keys(self) -> list[str]:
+        return ["input_ids"] + [layer_key(i) for i in self.target_layer_ids]
+
+    def settings(self) -> dict:
+        final_norm = None
+        if self.scale is not None:
+            scale_sha256 = hashlib.sha256(self.scale.numpy().tobytes()).hexdigest()
+            final_norm = {"scale_sha256": scale_sha256, "offset": self.final_norm_offset}
+        return {"target_layer_ids": self.target_layer_ids, "final_norm": final_norm}
+
+    def notes(self) -> list[str]:
+        last = (
+            f"with the final norm's scale ({self.norm_source}, offset {self.final_norm_offset:g}) divided out"
+            if self.scale is not None
+            else "as the manifest records it, before the final norm"
+        )
+        return [
+            f"hidden_states[:, k] = hsx layers {self.target_layer_ids} (launch_vllm --target-layer-ids "
+            f"{' '.join(map(str, self.aux_layers))}); the last one is layer {self.num_layers} {last}",
+            f"{SAMPLES_NAME}: one row per hs_<index> with input_ids, loss_mask and seq_len; build the "
+            "training dataset from it: datasets.Dataset.from_json(...).select_columns(['input_ids', "
+            "'loss_mask', 'seq_len']).with_format('torch').save_to_disk(DATA), then train with --data-path DATA "
+            "--hidden-states-path <out>/hidden_states",
+        ]
+
+    def unnormed_last(self, last: torch.Tensor, sample_id: object) -> torch.Tensor:
+        if self.scale is None:
+            return last
+        x = last.to(torch.float32) / self.scale
+        rms = x.pow(2).mean(dim=-1).sqrt()
+        worst = (rms - 1).abs()
+        if worst.numel() and float(worst.max()) > RMS_TOLERANCE:
+            row = int(worst.argmax())
+            raise ExportRefused(
+                f"sample {sample_id!r} row {row}: layer {self.num_layers} divided by the final norm's "
+                f"scale ({self.norm_source} + {self.final_norm_offset}) has RMS {float(rms[row]):.4f}, "
+                "not 1: the weight is not this model's, or its norm is not x / rms(x) * (weight + "
+                "offset) (Gemma-style norms use offset 1)"
+            )
+        return x.to(last.dtype)
+
+    def preflight(self, reader: ShardReader) -> None:
+        if self.job.samples:
+            entry = self.job.samples[0]
+            rows = reader.sample(entry, [layer_key(self.num_layers)])
+            self.unnormed_last(rows[layer_key(self.num_layers)], entry.id)
+
+    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
+        layers = self.layer_rows(rows, self.aux_layers)
+        layers.append(self.unnormed_last(rows[layer_key(self.num_layers)], entry.id))
+        f.write(
+            safetensors_bytes(
+                {"hidden_states": own(torch.stack(layers, dim=1)), "token_ids": own(rows["input_ids"].to(torch.int64))}
+            )
+        )
+
+    def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:
+        path = out_dir / SAMPLES_NAME
+        if changed or not path.exists():
+            with atomic_file(path) as f:
+                for i, entry in enumerate(self.job.samples):
+                    rows = reader.sample(entry, ["input_ids", "loss_mask"])
+                    line = {
+                        "index": i,
+                        "id": entry.id,
+                        "input_ids": rows["input_ids"].tolist(),
+                        "loss_mask": rows["loss_mask"].tolist(),
+                        "seq_len": entry.num_tokens,
+                    }
+                    f.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+        return [SAMPLES_NAME]

@@ -1,0 +1,231 @@
+"""The request loop: claim a sample, send it to the model server, find its dump, validate it,
+stage it, and settle the sample's outcome.
+
+The GPU should never wait on us, so the loop only sends, finds, validates and stages: a validated
+dump is renamed out of the dump root (the root is clear again at once) and the shard flusher
+writes it into a shard while the next request runs. In rid mode several slots keep requests in
+flight at once; each slot claims under its own identity ("<writer>#<n>"), so the database still
+holds one running sample per identity.
+
+Whatever breaks, an attempt ends with a recorded outcome: a server that went away gives the
+sample back unspent, anything else about the attempt spends it with a reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from hsx.backends.dumps import DumpRejected, DumpRoot
+from hsx.backends.extract import Expectation
+from hsx.backends.sglang import BackendRejected, BackendUnavailable
+from hsx.config import Settings
+from hsx.db import repository as repo
+from hsx.extraction.database import Database
+from hsx.extraction.disk import DISK_RETRY_S, DiskPause
+from hsx.extraction.flusher import ShardFlusher
+from hsx.extraction.lease import Lease
+from hsx.extraction.metrics import WriterMetrics
+from hsx.extraction.server_watch import SampleExtractor, ServerWatch
+from hsx.extraction.status import StatusReport
+from hsx.matching import Serves
+
+log = logging.getLogger("hsx.writer")
+
+# An idle writer asks the database for work IDLE_POLL_S after finding none, then ever less often, up
+# to IDLE_POLL_MAX_S: jobs created in this process wake it at once (notify_work); those created
+# elsewhere (another API process, on Postgres) are found within IDLE_POLL_MAX_S, and an idle writer
+# with many slots does not ask the database dozens of times a second.
+IDLE_POLL_S = 0.2
+IDLE_POLL_MAX_S = 2.0
+# rid mode: completed dumps nobody waits for (warm-up, health checks, other clients) are swept.
+SWEEP_EVERY_S = 60.0
+SWEEP_AGE_S = 120.0
+
+
+class RequestLoop:
+    def __init__(
+        self,
+        settings: Settings,
+        identity: str,
+        root: DumpRoot,
+        db: Database,
+        server: ServerWatch,
+        report: StatusReport,
+        flusher: ShardFlusher,
+        pause: DiskPause,
+        metrics: WriterMetrics,
+        stop: threading.Event,
+        lease: Lease,
+    ):
+        self.settings = settings
+        self.lease = lease
+        self.identity = identity
+        self.root = root
+        self.db = db
+        self.server = server
+        self.report = report
+        self.flusher = flusher
+        self.pause = pause
+        self.metrics = metrics
+        self.stop = stop
+        self._work = threading.Event()  # set when a job may have new queued samples
+        self._idle_lock = threading.Lock()
+        self._empty_claims = 0  # claims that found nothing since work was last found, all slots together
+        self._swept_at = 0.0
+
+    def notify_work(self) -> None:
+        with self._idle_lock:
+            self._empty_claims = 0
+        self._work.set()
+
+    def _idle_wait_s(self) -> float:
+        with self._idle_lock:
+            self._empty_claims += 1
+            return min(IDLE_POLL_MAX_S, IDLE_POLL_S * 2 ** min(self._empty_claims - 1, 8))
+
+    def slot_identity(self, slot: int) -> str:
+        return self.identity if slot == 0 else f"{self.identity}#{slot}"
+
+    def step(self, slot: int = 0) -> bool:
+        """One turn: process at most one sample; returns whether one was processed. Everything the
+        turn records is fenced by the lease it started under."""
+        with self.db.fenced(self.lease.epoch):
+            return self._step(slot)
+
+    def _step(self, slot: int) -> bool:
+        extractor = self._extractor()
+        if extractor is None:
+            self.stop.wait(self.server.backoff.next())
+            return False
+        if slot > 0 and not extractor.capture.concurrent:
+            self.stop.wait(1.0)  # counter naming needs the root to itself: one request at a time
+            return False
+        if self.pause.reason:
+            self.report.set("waiting", self.pause.reason)
+            self.stop.wait(DISK_RETRY_S)
+            return False
+        if not self.flusher.wait_for_room():
+            return False
+        self.report.set("ready")
+        serves = Serves.of(self.server.layers, self.server.model_info)
+        claimed = self.db.run(lambda s: repo.claim_next(s, self.slot_identity(slot), serves))
+        if claimed is None:
+            if slot == 0:
+                self._sweep(extractor)
+            if not self.stop.is_set() and self._work.wait(self._idle_wait_s()):
+                self._work.clear()
+            return False
+        if self._empty_claims:
+            self.notify_work()  # work again after idling: the other slots look now, not at their next poll
+        if claimed.queued_left == 0:
+            # Nothing left to claim: the flushers look whether the job's staged samples fill a shard;
+            # the rest waits for the requests still running, to go to the job's last shard with them.
+            self.flusher.wake()
+        self.flusher.settle(claimed.job_id, queued=self._process(claimed, extractor, serves))
+        return True
+
+    def _extractor(self) -> SampleExtractor | None:
+        """The extractor for the model server, None while it cannot take requests; what a check of
+        the server finds becomes the writer's status."""
+        extractor, verdict = self.server.ensure()
+        if verdict is not None:
+            if verdict.server is not None:
+                self.report.status.server = verdict.server
+            self.report.set(verdict.state, verdict.reason)
+        return extractor
+
+    def _process(self, c: repo.Claimed, extractor: SampleExtractor, serves: Serves) -> int | None:
+        """Run the claimed sample to its outcome; returns how many of its job's samples are queued
+        when it was staged (None when it was not)."""
+        ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
+        rid = f"{extractor.capture.rid_prefix}{c.job_id}-{c.idx}-t{c.try_number}"
+        info = c.job_model_info or {}
+        expect = Expectation(
+            layers=info.get("layers", c.job_layers), hidden_size=info.get("hidden_size"), dtype=info.get("dtype")
+        )
+        started = time.monotonic()
+        try:
+            dump = extractor.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}", expect=expect)
+        except BackendUnavailable as exc:
+            self.metrics.attempt("interrupted", "server_unavailable")
+            self.server.lost()
+            why = f"model server unavailable: {exc}"
+            self.db.run(lambda s: repo.release_interrupted(s, c, reason=why))
+            return None
+        except Exception as exc:  # any other failure is this attempt's, recorded, never a stuck sample
+            if isinstance(exc, DumpRejected):
+                reason = f"{exc.code}: {exc.reason}"
+            elif isinstance(exc, BackendRejected):
+                reason = f"server_error: {exc}"
+            else:
+                log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
+                reason = f"internal_error: {type(exc).__name__}: {exc}"
+            self.metrics.attempt("failed", reason)
+            outcome = self.db.run(
+                lambda s: repo.record_failed_attempt(s, c, reason=reason, max_attempts=self.settings.max_attempts)
+            )
+            log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
+            return None
+        self.metrics.backend_latency(time.monotonic() - started)
+        meta = dump.meta
+        model = dict(
+            self.server.model_info,
+            layers=[int(i) for i in meta["layers"]],
+            hidden_size=int(meta["hidden_size"]),
+            dtype=meta["dtype"],
+        )
+
+        def stage(s: Session) -> int | None:
+            if c.job_model_info is None and repo.set_job_model_info(s, c.job_id, model, serves) != model:
+                # Another worker stored the job's first sample meanwhile, from another model or
+                # other layers: the sample is not at fault and goes back for a worker that matches.
+                repo.release_interrupted(s, c, reason="the job's model was recorded meanwhile from another worker")
+                return None
+            repo.mark_staged(
+                s,
+                c,
+                writer=self.identity,
+                staged_path=str(dump.path),
+                observed_tokens=dump.num_tokens,
+                dump_key=dump.key,
+                boot_id=meta.get("boot_id"),
+                identity=dump.identity,
+            )
+            return repo.queued_left(s, c.job_id)
+
+        try:
+            queued = self.db.run(stage)
+        except repo.LeaseLost:
+            shutil.rmtree(dump.path, ignore_errors=True)  # the sample is someone else's now
+            raise
+        if queued is None:
+            shutil.rmtree(dump.path, ignore_errors=True)
+            return None
+        self.metrics.attempt("ok")
+        self.metrics.extracted(dump.num_tokens, dump.nbytes)
+        if self.server.proved(dump.identity) and self.report.status.server is not None:
+            self.report.status.server = {**self.report.status.server, "identity": self.server.identity}
+            self.report.report()
+        # Only after the commit: a flush that started before it must not have swallowed this sample.
+        self.flusher.staged(c.job_id, c.sample_pk, dump.nbytes)
+        return queued
+
+    def _sweep(self, extractor: SampleExtractor) -> None:
+        if extractor.capture.source != "dumps" or extractor.capture.name_by != "rid":
+            return
+        if time.monotonic() - self._swept_at < SWEEP_EVERY_S:
+            return
+        self._swept_at = time.monotonic()
+        cutoff = time.time() - SWEEP_AGE_S
+        for d in self.root.entries():
+            try:
+                if d.stat().st_mtime < cutoff:
+                    shutil.rmtree(d, ignore_errors=True)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,306 @@
+"""The synchronous client (httpx). AsyncHsxClient in hsx.sdk.aio has the same methods, awaitable."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import IO, Callable, Iterator
+
+import httpx
+
+from hsx.sdk._core import (
+    CHUNK,
+    TRANSIENT,
+    Call,
+    Calls,
+    JobRef,
+    Poll,
+    ShardDownload,
+    ShardProgress,
+    SSEDecoder,
+    check_shard_name,
+    client_options,
+    file_chunks,
+    job_events,
+    jobs_path,
+    resolve_dest,
+    tensors_from_bytes,
+    write_atomic,
+)
+from hsx.sdk.errors import HsxError, error_from_response
+from hsx.sdk.models import (
+    Health,
+    Job,
+    JobPage,
+    Manifest,
+    Sample,
+    SamplePage,
+    ShardList,
+    Throughput,
+    TokenInfo,
+    Worker,
+)
+from hsx.states import TERMINAL_JOB_STATES
+
+__all__ = ["HsxClient", "HsxError"]
+
+
+class HsxClient:
+    """A client for the hsx API.
+
+    `base_url` defaults to $HSX_URL, then http://127.0.0.1:8000; `token` (a bearer token) to $HSX_TOKEN.
+    Any other keyword goes to `httpx.Client` (e.g. `transport=`, `event_hooks=`, `verify=`). Every method that
+    takes a job accepts its id or the Job itself. Error answers raise the HsxError subclass for their status
+    (Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, InvalidInput, Unavailable, ServerError).
+    """
+
+    def __init__(
+        self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0, **httpx_options
+    ):
+        options = client_options(base_url, token, timeout, httpx_options)
+        self.base_url: str = options["base_url"]
+        self._http = httpx.Client(**options)
+
+    def __enter__(self) -> HsxClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _send(self, call: Call, **extra):
+        resp = self._http.request(call.method, call.path, **call.kwargs(), **extra)
+        if resp.is_error:
+            raise error_from_response(resp)
+        return call.parse(resp)
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        samples: list[dict] | None = None,
+        *,
+        input_path: str | None = None,
+        name: str | None = None,
+        layers: list[int] | None = None,
+        idempotency_key: str | None = None,
+    ) -> Job:
+        """Create a job from inline samples ({"id"?, "input_ids", "loss_mask"?}) or from a JSONL file under the
+        service's input root (`input_path`). Repeating a request with the same `idempotency_key` returns the
+        first job."""
+        return self._send(Calls.create_job(samples, input_path, name, layers, idempotency_key))
+
+    def submit_jsonl(
+        self,
+        source: str | os.PathLike | IO[bytes],
+        *,
+        name: str | None = None,
+        layers: list[int] | None = None,
+        idempotency_key: str | None = None,
+        chunk_size: int = 1 << 16,
+    ) -> Job:
+        """Create a job from a local JSONL file (a path or a binary file object), streamed as
+        application/x-ndjson in chunks: the file is never read whole."""
+        call = Calls.submit_jsonl(name, layers, idempotency_key)
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as f:
+                return self._send(call, content=file_chunks(f, chunk_size))
+        return self._send(call, content=file_chunks(source, chunk_size))
+
+    def get_job(self, job: JobRef) -> Job:
+        return self._send(Calls.get_job(job))
+
+    def list_jobs(self, *, state: str | None = None, after: str | None = None, limit: int = 100) -> JobPage:
+        """One page of jobs, newest first; pass the page's `next_after` as `after` for the next one."""
+        return self._send(Calls.list_jobs(state, after, limit))
+
+    def iter_jobs(self, *, state: str | None = None, page_size: int = 100) -> Iterator[Job]:
+        """Every job (newest first), page by page."""
+        after = None
+        while True:
+            page = self.list_jobs(state=state, after=after, limit=page_size)
+            yield from page.data
+            if not page.has_more:
+                return
+            after = page.next_after
+
+    def cancel(self, job: JobRef) -> Job:
+        """Cancel the job; returns at once with the job `cancelling` (its queued samples are cancelled
+        in the background, those in flight are stored): `wait(job)` follows it until it is `cancelled`.
+        A job already cancelling is returned as it is; a finished one raises Conflict."""
+        return self._send(Calls.cancel(job))
+
+    def retry(self, job: JobRef) -> Job:
+        return self._send(Calls.retry(job))
+
+    def delete(self, job: JobRef, *, files: bool = False) -> None:
+        """Delete a finished job's records; with files=True also its shards and manifest."""
+        self._send(Calls.delete(job, files))
+
+    def wait(
+        self,
+        job: JobRef,
+        *,
+        timeout: float | None = None,
+        poll_s: float = 0.5,
+        max_poll_s: float = 5.0,
+        on_progress: Callable[[Job], None] | None = None,
+    ) -> Job:
+        """Poll until the job is succeeded, failed or cancelled, backing off from `poll_s` to `max_poll_s`;
+        call `on_progress(job)` after each poll. Polls through the service or its database restarting (503,
+        connection errors). Returns the final job; TimeoutError after `timeout` s."""
+        poll = Poll(job, timeout, poll_s, max_poll_s, on_progress)
+        while True:
+            try:
+                current = self.get_job(job)
+            except TRANSIENT:
+                pass
+            else:
+                if poll.finished(current):
+                    return current
+            time.sleep(poll.pause())
+
+    def events(self, job: JobRef) -> Iterator[Job]:
+        """The job each time it changes, from the server-sent event stream; ends once it is finished."""
+        with self._http.stream("GET", jobs_path(job, "events"), headers={"Accept": "text/event-stream"}) as resp:
+            if resp.is_error:
+                resp.read()
+                raise error_from_response(resp)
+            decoder = SSEDecoder()
+            for line in resp.iter_lines():
+                event = job_events(decoder, line)
+                if event is not None:
+                    yield event
+
+    def throughput(self, job: JobRef, *, points: int = 120) -> Throughput:
+        """What the job extracted over time, in at most `points` equal windows (samples, tokens, tokens/s)."""
+        return self._send(Calls.throughput(job, points))
+
+    # --- samples ----------------------------------------------------------------------------
+
+    def list_samples(
+        self, job: JobRef, *, state: str | None = None, after: str | None = None, limit: int = 100
+    ) -> SamplePage:
+        return self._send(Calls.list_samples(job, state, after, limit))
+
+    def iter_samples(self, job: JobRef, *, state: str | None = None, page_size: int = 1000) -> Iterator[Sample]:
+        """Every sample of the job in input order (only those in `state` when given), page by page."""
+        after = None
+        while True:
+            page = self.list_samples(job, state=state, after=after, limit=page_size)
+            yield from page.data
+            if not page.has_more:
+                return
+            after = page.next_after
+
+    def get_sample(self, job: JobRef, sample_id: str) -> Sample:
+        """One sample with every attempt (`attempt_log`) and its reason."""
+        return self._send(Calls.get_sample(job, sample_id))
+
+    def sample_tensors(self, job: JobRef, sample_id: str) -> dict:
+        """A stored sample's tensors as torch tensors: input_ids, loss_mask and layer_<i>."""
+        call = Calls.sample_tensors(job, sample_id)
+        resp = self._http.request(call.method, call.path)
+        if resp.is_error:
+            raise error_from_response(resp)
+        return tensors_from_bytes(resp.content)
+
+    # --- results ----------------------------------------------------------------------------
+
+    def manifest(self, job: JobRef) -> Manifest:
+        return self._send(Calls.manifest(job))
+
+    def list_shards(self, job: JobRef) -> ShardList:
+        """The shards written so far (name, bytes, sha256, counts), without the manifest's list of samples."""
+        return self._send(Calls.list_shards(job))
+
+    def download_shard(
+        self,
+        job: JobRef,
+        name: str,
+        dest: str | os.PathLike | None = None,
+        *,
+        sha256: str | None = None,
+        size: int | None = None,
+        on_progress: ShardProgress | None = None,
+    ) -> Path:
+        """Download one shard to `dest` (a file, or a folder to put it in; default ./<name>) and return its path.
+
+        Bytes go to `<dest>.part` first; an existing part is resumed with a Range request. The whole file's
+        sha256 must match the manifest's (or `sha256`) before the part is renamed into place; a mismatch deletes
+        the part and raises ChecksumMismatch. A destination that already holds the shard is left as it is.
+        """
+        check_shard_name(name)
+        if sha256 is None:
+            try:
+                entry = self.manifest(job).shard(name)
+                sha256, size = entry.sha256, entry.bytes
+            except KeyError:
+                pass  # not listed (yet): the server's X-Content-SHA256 header is checked instead
+        dl = ShardDownload(name, resolve_dest(dest, name), sha256, size, on_progress)
+        if dl.already_done():
+            dl.part.unlink(missing_ok=True)
+            return dl.dest
+        if dl.part_complete():
+            return dl.finish()
+        return self._fetch(job, dl)
+
+    def _fetch(self, job: JobRef, dl: ShardDownload) -> Path:
+        with self._http.stream("GET", jobs_path(job, "shards", dl.name), headers=dl.request_headers()) as resp:
+            if resp.status_code == 416 and dl.offset:
+                resp.read()
+            elif resp.is_error:
+                resp.read()
+                raise error_from_response(resp)
+            else:
+                dl.begin(resp)
+                try:
+                    for chunk in resp.iter_bytes(CHUNK):
+                        dl.write(chunk)
+                finally:
+                    dl.close()
+                return dl.finish()
+        dl.restart()  # the part was not a prefix of this shard (416): fetch it whole
+        return self._fetch(job, dl)
+
+    def download_job(
+        self, job: JobRef, directory: str | os.PathLike, *, on_progress: ShardProgress | None = None
+    ) -> Manifest:
+        """Download every shard the manifest lists (each resumable and sha256-checked) into `directory`; once the
+        job is finished, write manifest.json there too (last, atomically), so its presence means the folder is
+        complete. Shards already there are not fetched again. Returns the manifest."""
+        call = Calls.manifest(job)
+        resp = self._http.request(call.method, call.path)
+        if resp.is_error:
+            raise error_from_response(resp)
+        manifest = Manifest.model_validate_json(resp.content)
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for shard in manifest.shards:
+            check_shard_name(shard.name)
+            self.download_shard(
+                job, shard.name, directory / shard.name, sha256=shard.sha256, size=shard.bytes, on_progress=on_progress
+            )
+        if manifest.state in TERMINAL_JOB_STATES:
+            write_atomic(directory / "manifest.json", resp.content)
+        return manifest
+
+    def verify(self, job: JobRef) -> dict:
+        """Have the service check a finished job's files: every shard's sha256, every sample's shapes, dtype and
+        finite values. Returns its report ({"ok", "summary", "job_faults", "shard_faults", "sample_faults",
+        "warnings", ...})."""
+        return self._send(Calls.verify(job))
+
+    def health(self) -> Health:
+        return self._send(Calls.health())
+
+    def workers(self) -> list[Worker]:
+        """Every writer that ever registered with the service's database (GET /v1/workers)."""
+        return (self._send(Calls.workers())).data
+
+    def token_info(self) -> TokenInfo:
+        """Whether the service needs tokens, and what this client's may do (read or write)."""
+        return self._send(Calls.token_info())

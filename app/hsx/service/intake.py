@@ -1,0 +1,305 @@
+"""Turn submitted samples into stored rows: inline JSON, a JSONL file under the input root, or an
+NDJSON body streamed line by line.
+
+Every sample is checked, and the good ones spooled (hsx.service.spool), before a transaction starts;
+the job and its samples are then inserted in one transaction, so a refused request stores nothing and
+a slow upload holds no database lock. Errors name the sample index (and line) and the field.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+
+from hsx.api.schemas import MAX_TOKEN_ID, SampleIn, parse_body
+from hsx.db.models import JobRow
+from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
+from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
+from hsx.names import shown
+from hsx.service.errors import InsufficientStorage, InvalidInput, OutsideInputRoot
+from hsx.service.lines import LineSplitter, LineTooLongError
+from hsx.service.spool import SampleSpool
+
+if TYPE_CHECKING:
+    from _hashlib import HASH
+
+MAX_ERRORS = 50
+BATCH = 2000
+READ_BYTES = 1024 * 1024
+_ID_DIGEST_KEY = os.urandom(16)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the model server accepts: ids below vocab_size, at most max_tokens per prompt."""
+
+    vocab_size: int | None = None
+    max_tokens: int | None = None
+    # What the server captures, for the job's size estimate.
+    layers: list[int] | None = None
+    hidden_size: int | None = None
+    dtype: str | None = None
+
+    def bytes_per_token(self, job_layers: list[int] | None) -> int | None:
+        """Shard bytes per token: every captured layer's row plus int64 input_ids and loss_mask."""
+        layers = job_layers or self.layers
+        if not layers or not self.hidden_size or self.dtype not in HIDDEN_STATE_DTYPES:
+            return None
+        return len(layers) * self.hidden_size * DTYPES[self.dtype].itemsize + 16
+
+
+class Ingest:
+    """Check samples one by one and spool the good ones; nothing touches the database until `store`."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.errors: list[dict] = []
+        self.count = 0
+        self.spool = SampleSpool()
+        # 8-byte keyed digests of the ids seen: duplicate detection without holding every id string.
+        # The key is per process, so ids cannot be chosen to collide and force the slow check.
+        self.seen: set[bytes] = set()
+
+    def feed(self, index: int, item: SampleIn | list[dict], where: dict) -> None:
+        self.count += 1
+        if isinstance(item, list):  # parse errors, already shaped as error entries
+            self.errors.extend(item)
+        else:
+            row = self._check(index, item, where)
+            if row is not None and not self.errors:
+                self.spool.add(row)
+        if len(self.errors) >= MAX_ERRORS:
+            raise InvalidInput(self.errors[:MAX_ERRORS])
+
+    def finish(self) -> SampleSpool:
+        """The spooled samples once every one passed; raises InvalidInput otherwise."""
+        if self.errors:
+            raise InvalidInput(self.errors[:MAX_ERRORS])
+        if self.count == 0:
+            raise InvalidInput([{"field": "samples", "message": "a job needs at least one sample"}])
+        return self.spool
+
+    def close(self) -> None:
+        self.spool.close()
+
+    def _is_duplicate(self, sid: str) -> bool:
+        digest = hashlib.blake2b(sid.encode(), digest_size=8, key=_ID_DIGEST_KEY).digest()
+        if digest not in self.seen:
+            self.seen.add(digest)
+            return False
+        # A digest seen before: compare the real ids.
+        return self.spool.has_sample_id(sid)
+
+    def _check(self, index: int, sample: SampleIn, where: dict) -> NewSample | None:
+        sid = sample.id if sample.id is not None else str(index)
+        bad = len(self.errors)
+
+        def err(field: str, message: str) -> None:
+            self.errors.append({"sample_index": index, **where, "sample_id": sid, "field": field, "message": message})
+
+        ids = sample.input_ids
+        vocab = self.limits.vocab_size or MAX_TOKEN_ID + 1
+        id_array = _in_range(ids, 0, vocab, "<i4")
+        if not ids:
+            err("input_ids", "must hold at least one token id")
+        elif id_array is None:
+            pos = next(i for i, t in enumerate(ids) if t < 0 or t >= vocab)
+            err(f"input_ids.{pos}", f"token id {ids[pos]} is outside [0, {vocab}) of the model's vocabulary")
+        if self.limits.max_tokens is not None and len(ids) > self.limits.max_tokens:
+            err("input_ids", f"{len(ids)} tokens exceed the model server's limit of {self.limits.max_tokens}")
+        mask = sample.loss_mask
+        mask_array = None if mask is None else _in_range(mask, 0, 2, np.uint8)
+        if mask is not None:
+            if len(mask) != len(ids):
+                err("loss_mask", f"has {len(mask)} values, input_ids has {len(ids)}")
+            elif mask_array is None:
+                err("loss_mask", "values must be 0 or 1")
+        if self._is_duplicate(sid):
+            err("id", f"duplicate sample id {sid!r}")
+        if len(self.errors) > bad or id_array is None:
+            return None
+        packed_mask = None if mask_array is None or mask_array.all() else mask_array.tobytes()
+        return NewSample(sid, id_array.tobytes(), packed_mask, len(ids))
+
+
+# Up to this many values, the builtins' min and max cost less than numpy's per-call overhead.
+_SHORT = 64
+
+
+def _in_range(values: list[int], lo: int, hi: int, dtype: type | str) -> np.ndarray | None:
+    """The values as an array of `dtype` when every one lies in [lo, hi), else None. Long lists are
+    checked by numpy: the builtins' two passes over Python ints cost more than one conversion."""
+    if len(values) <= _SHORT:
+        if values and (min(values) < lo or max(values) >= hi):
+            return None
+        return np.asarray(values, dtype=dtype)
+    try:
+        wide = np.asarray(values, dtype=np.int64)
+    except OverflowError:  # beyond int64, so beyond any range checked here
+        return None
+    return wide.astype(dtype) if wide.min() >= lo and wide.max() < hi else None
+
+
+@dataclass(frozen=True)
+class DiskCheck:
+    """Does the output volume hold this job on top of what active jobs still have to write?"""
+
+    output_root: Path
+    mode: str  # refuse | warn | off
+
+    def check(self, session: Session, needed: int, *, job_id: str) -> str | None:
+        """Whether job `job_id`, needing `needed` bytes, fits: None when it does; a warning text in warn
+        mode; raises InsufficientStorage in refuse mode. The job's own row may already be flushed
+        as an active job: its bytes are `needed`, never part of what the others still have to write."""
+        if self.mode == "off":
+            return None
+        root = self.output_root
+        while not root.exists():
+            root = root.parent
+        free = shutil.disk_usage(root).free
+        pending = pending_output_bytes(session, besides=job_id)
+        if needed + pending <= free:
+            return None
+        text = (
+            f"the job needs about {needed:,} bytes and active jobs {pending:,} more, but the output volume "
+            f"({self.output_root}) has {free:,} bytes free"
+        )
+        if self.mode == "warn":
+            return text
+        raise InsufficientStorage(text, needed=needed, pending=pending, free=free)
+
+
+def parse_sample(index: int, text: bytes | bytearray, where: dict) -> tuple[int, SampleIn | list[dict], dict]:
+    """One sample's JSON text (a JSONL line, or one element of an inline `samples` array) as a sample,
+    or as the errors that say why it is not one. The text is parsed and checked in one pass by
+    pydantic's JSON parser (no intermediate Python dict)."""
+    try:
+        return index, parse_body(SampleIn, text, strict=True), where
+    except ValidationError as exc:
+        return (
+            index,
+            [
+                {
+                    "sample_index": index,
+                    **where,
+                    "field": ".".join(str(p) for p in e["loc"]) or "sample",
+                    "message": e["msg"],
+                }
+                for e in exc.errors()
+            ],
+            {},
+        )
+
+
+class JsonlReader:
+    """JSONL fed in chunks into an Ingest, blank lines skipped: the sample index counts samples, the
+    line number counts lines. Raises LineTooLongError for a line over `max_line` bytes."""
+
+    def __init__(self, ingest: Ingest, max_line: int, digest: HASH | None = None):
+        self.ingest = ingest
+        self.digest = digest  # also given every byte, for a streamed body's Idempotency-Key check
+        self.lines = LineSplitter(max_line)
+        self.index = 0
+
+    def feed(self, chunks: list[bytes]) -> None:
+        for chunk in chunks:
+            if self.digest is not None:
+                self.digest.update(chunk)
+            self._take(self.lines.feed(chunk))
+
+    def end(self) -> None:
+        self._take(self.lines.end())
+
+    def _take(self, lines: list[tuple[int, bytes]]) -> None:
+        for lineno, line in lines:
+            if not line or line.isspace():
+                continue
+            self.ingest.feed(*parse_sample(self.index, line, {"line": lineno}))
+            self.index += 1
+
+
+def ingest_file(ingest: Ingest, path: Path, max_line: int, relative: str) -> None:
+    """A JSONL file under the input root (`relative`, as the request named it), read a block at a time."""
+    reader = JsonlReader(ingest, max_line)
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise _unreadable(relative, _why(exc)) from None
+    try:
+        with f:
+            while block := f.read(READ_BYTES):
+                reader.feed([block])
+        reader.end()
+    except LineTooLongError as exc:
+        message = f"line {exc.lineno} is longer than the limit of {exc.limit} bytes (--max-sample-bytes)"
+        raise InvalidInput([{"line": exc.lineno, "field": "input_path", "message": message}]) from None
+
+
+def store(
+    session: Session,
+    spool: SampleSpool,
+    limits: Limits,
+    *,
+    name: str | None,
+    layers: list[int] | None,
+    idempotency_key: str | None,
+    request_sha256: str,
+    disk: DiskCheck | None,
+) -> JobRow:
+    """Insert the job and its checked, spooled samples in the caller's transaction."""
+    builder = JobBuilder(
+        session, name=name, layers=layers, idempotency_key=idempotency_key, request_sha256=request_sha256
+    )
+    per_token = limits.bytes_per_token(layers)
+    if per_token is not None:
+        estimated = per_token * spool.tokens
+        # Checked before this job's estimate is set: the volume's other commitments, then this job.
+        warning = disk.check(session, estimated, job_id=builder.job.id) if disk is not None else None
+        builder.job.estimated_bytes, builder.job.disk_warning = estimated, warning
+    for batch in spool.batches(BATCH):
+        builder.add(batch)
+    return builder.finish()
+
+
+def resolve_input_path(input_root: Path, relative: str) -> Path:
+    """The file `relative` names under the input root; anything outside it is refused, and a name the
+    file system cannot follow (too long, a symlink loop) is invalid input."""
+    root = Path(input_root).resolve()
+    candidate = Path(relative)
+    if candidate.is_absolute():
+        raise OutsideInputRoot("input_path must be relative to the service's input root")
+    try:
+        path = (root / candidate).resolve()
+        if path != root and root not in path.parents:
+            raise OutsideInputRoot("input_path points outside the service's input root")
+        found = path.is_file()
+    except RuntimeError:  # Python < 3.13 reports a symlink loop so, later ones as OSError(ELOOP)
+        raise _unreadable(relative, "its symbolic links form a loop") from None
+    except OSError as exc:
+        raise _unreadable(relative, _why(exc)) from None
+    if not found:
+        raise InvalidInput([{"field": "input_path", "message": f"no file {shown(relative)} under the input root"}])
+    return path
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "its symbolic links form a loop"
+    if exc.errno == errno.ENAMETOOLONG:
+        return "it, or a name in it, is longer than the file system allows"
+    return exc.strerror or type(exc).__name__
+
+
+def _unreadable(relative: str, why: str) -> InvalidInput:
+    return InvalidInput(
+        [{"field": "input_path", "message": f"cannot open {shown(relative)} under the input root: {why}"}]
+    )

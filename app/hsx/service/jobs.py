@@ -1,0 +1,279 @@
+"""Jobs: creating them from submitted samples, acting on them, and their files under the output root."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import AsyncIterable
+
+from anyio.to_thread import run_sync
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from hsx.config import Settings
+from hsx.db import repository as repo
+from hsx.db.models import JobRow, SampleRow, ShardRow
+from hsx.manifest import MANIFEST_NAME, Manifest, build_manifest, job_dir
+from hsx.names import shown
+from hsx.service import intake, json_body
+from hsx.service.backend_info import BackendInfo
+from hsx.service.errors import (
+    ContentTooLarge,
+    IdempotencyKeyReused,
+    InvalidTransition,
+    NotFound,
+    ShardsMissing,
+)
+from hsx.service.lines import LineTooLongError
+from hsx.states import JobState
+from hsx.verify import verify_job as verify_folder
+
+# A streamed body goes to the worker thread in blocks of about this many bytes.
+FEED_BYTES = 1024 * 1024
+
+
+def get_job(*, session: Session, job_id: str) -> JobRow:
+    """The job, or NotFound."""
+    job = repo.get_job(session, job_id)
+    if job is None:
+        raise NotFound(f"job {shown(job_id)}")
+    return job
+
+
+def get_sample(*, session: Session, job_id: str, sample_id: str) -> SampleRow:
+    """The job's sample, or NotFound (for the job first)."""
+    get_job(session=session, job_id=job_id)
+    sample = repo.get_sample(session, job_id, sample_id)
+    if sample is None:
+        raise NotFound(f"sample {shown(sample_id)}")
+    return sample
+
+
+def create_job(
+    *,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    backend: BackendInfo,
+    body: bytes | bytearray,
+    idempotency_key: str | None,
+) -> JobRow:
+    """A job from an application/json body: samples inline, or a JSONL file under the input root."""
+    digest = hashlib.sha256(b"json\0")
+    digest.update(body)
+    request, samples = json_body.job_request(body)
+    if idempotency_key:
+        existing = _job_with_key(sessions, idempotency_key)
+        if existing is not None:
+            return _replayed(existing, digest.hexdigest())
+    limits = backend.limits()
+    ingest = intake.Ingest(limits)
+    try:
+        if request.input_path is not None:
+            path = intake.resolve_input_path(settings.input_root, request.input_path)
+            intake.ingest_file(ingest, path, settings.max_sample_bytes, request.input_path)
+        else:
+            for index, text in samples:
+                if len(text) > settings.max_sample_bytes:
+                    raise ContentTooLarge(
+                        f"sample {index} is longer than the limit of {settings.max_sample_bytes} bytes "
+                        "(--max-sample-bytes)",
+                        limit=settings.max_sample_bytes,
+                        sample_index=index,
+                    )
+                ingest.feed(*intake.parse_sample(index, text, {}))
+        return _store(
+            sessions,
+            settings,
+            ingest,
+            name=request.name,
+            layers=request.layers,
+            idempotency_key=idempotency_key,
+            request_sha256=digest.hexdigest(),
+        )
+    finally:
+        ingest.close()
+
+
+async def create_job_from_ndjson(
+    *,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    backend: BackendInfo,
+    name: str | None,
+    layers: list[int] | None,
+    idempotency_key: str | None,
+    body: AsyncIterable[bytes],
+) -> JobRow:
+    """A job from an application/x-ndjson body, one sample per line, checked as it streams.
+
+    The event loop only receives the body: lines are cut, parsed, checked and spooled on a worker
+    thread, a block of chunks at a time, and the samples are stored once the body has ended."""
+    digest = hashlib.sha256(json.dumps(["ndjson", name, layers]).encode())
+    if idempotency_key:
+        existing = await run_sync(_job_with_key, sessions, idempotency_key)
+        if existing is not None:
+            async for chunk in body:  # the whole body, for its digest
+                digest.update(chunk)
+            return _replayed(existing, digest.hexdigest())
+    limits = await run_sync(backend.limits)
+    ingest = intake.Ingest(limits)
+    try:
+        reader = intake.JsonlReader(ingest, settings.max_sample_bytes, digest)
+        try:
+            block: list[bytes] = []
+            held = 0
+            async for chunk in body:
+                block.append(chunk)
+                held += len(chunk)
+                if held >= FEED_BYTES:
+                    await run_sync(reader.feed, block)
+                    block, held = [], 0
+            await run_sync(reader.feed, block)
+            await run_sync(reader.end)
+        except LineTooLongError as exc:
+            raise ContentTooLarge(
+                f"line {exc.lineno} is longer than the limit of {exc.limit} bytes (--max-sample-bytes)",
+                limit=exc.limit,
+                line=exc.lineno,
+            ) from None
+        # The digest is complete only now: a request that loses the race for its Idempotency-Key
+        # compares the whole body with the winner's.
+        return await run_sync(
+            partial(
+                _store,
+                sessions,
+                settings,
+                ingest,
+                name=name,
+                layers=layers,
+                idempotency_key=idempotency_key,
+                request_sha256=digest.hexdigest(),
+            )
+        )
+    finally:
+        ingest.close()
+
+
+def _store(
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    ingest: intake.Ingest,
+    *,
+    name: str | None,
+    layers: list[int] | None,
+    idempotency_key: str | None,
+    request_sha256: str,
+) -> JobRow:
+    """Store a fully read and checked request's job in one transaction; a concurrent request with the
+    same Idempotency-Key that committed first makes this one a replay of it."""
+    spool = ingest.finish()
+    try:
+        with sessions.begin() as session:
+            return intake.store(
+                session,
+                spool,
+                ingest.limits,
+                name=name,
+                layers=layers,
+                idempotency_key=idempotency_key,
+                request_sha256=request_sha256,
+                disk=_disk_check(settings),
+            )
+    except IntegrityError:
+        existing = _job_with_key(sessions, idempotency_key) if idempotency_key else None
+        if existing is None:
+            raise
+        return _replayed(existing, request_sha256)
+
+
+def cancel_job(*, session: Session, job_id: str) -> JobRow:
+    """Mark the job cancelling, at once whatever its size: its queued samples are cancelled in the
+    background (hsx.service.cancelling), which ends the job once none of its samples is in flight.
+    A job already cancelling is returned as it is; a finished one cannot be cancelled."""
+    with session.begin():
+        get_job(session=session, job_id=job_id)
+        cancelled = repo.cancel_job(session, job_id)
+        if cancelled is not None:
+            return cancelled
+        job = get_job(session=session, job_id=job_id)  # as the lock found it
+        if job.state != JobState.CANCELLING:
+            raise InvalidTransition(f"job is {job.state}; only queued or running jobs can be cancelled")
+        return job
+
+
+def retry_job(*, session: Session, job_id: str) -> JobRow:
+    """Queue its failed samples again, with a fresh attempt budget."""
+    with session.begin():
+        job = get_job(session=session, job_id=job_id)
+        if repo.retry_failed(session, job_id) is None:
+            cancelled = job.state in (JobState.CANCELLING, JobState.CANCELLED)
+            why = f"it is {job.state}" if cancelled or job.n_failed else "it has no failed samples"
+            raise InvalidTransition(f"job cannot be retried: {why}")
+        session.refresh(job)
+        return job
+
+
+def delete_job(*, session: Session, job_id: str, output_root: Path, delete_files: bool) -> None:
+    """Delete a finished job's records and, with delete_files, its folder of shards and manifest."""
+    with session.begin():
+        job = get_job(session=session, job_id=job_id)
+        if not repo.delete_job(session, job_id):
+            how = "wait until it is cancelled" if job.state == JobState.CANCELLING else "cancel it or let it finish"
+            raise InvalidTransition(f"job is {job.state}; {how} first")
+    if delete_files:
+        shutil.rmtree(job_dir(output_root, job_id), ignore_errors=True)
+
+
+def shard_file(*, session: Session, job_id: str, name: str, output_root: Path) -> tuple[ShardRow, Path, os.stat_result]:
+    """A written shard's record, file and the file's stat; only names recorded in the database lead to
+    the disk. A recorded shard whose file is gone is ShardsMissing (410)."""
+    get_job(session=session, job_id=job_id)
+    shard = repo.get_shard(session, job_id, name)
+    if shard is None:
+        raise NotFound(f"shard {shown(name)}")
+    path = job_dir(output_root, job_id) / shard.name
+    try:
+        return shard, path, path.stat()
+    except FileNotFoundError:
+        raise ShardsMissing(job_id, [shard.name]) from None
+
+
+def job_manifest(*, session: Session, job_id: str, output_root: Path) -> Manifest:
+    """The job's manifest as the database has it; ShardsMissing (410) when a shard it names is no
+    longer in the output root, since a reader could not follow it to the rows."""
+    job = get_job(session=session, job_id=job_id)
+    manifest = build_manifest(session, job)
+    folder = job_dir(output_root, job.id)
+    missing = [s.name for s in manifest.shards if not (folder / s.name).is_file()]
+    if missing:
+        raise ShardsMissing(job.id, missing)
+    return manifest
+
+
+def verify_job(*, session: Session, job_id: str, output_root: Path) -> dict:
+    """The verification report of a finished job's folder against its manifest."""
+    job = get_job(session=session, job_id=job_id)
+    folder = job_dir(output_root, job.id)
+    if not (folder / MANIFEST_NAME).exists():
+        raise InvalidTransition(f"job is {job.state}; its manifest is written once it is finished")
+    return verify_folder(folder).to_dict()
+
+
+def _job_with_key(sessions: sessionmaker[Session], key: str) -> JobRow | None:
+    with sessions() as session:
+        return repo.job_by_idempotency_key(session, key)
+
+
+def _replayed(job: JobRow, request_sha256: str) -> JobRow:
+    """The job a request whose Idempotency-Key was seen before gets, if it is the same request."""
+    if job.request_sha256 != request_sha256:
+        raise IdempotencyKeyReused()
+    return job
+
+
+def _disk_check(settings: Settings) -> intake.DiskCheck:
+    return intake.DiskCheck(Path(settings.output_root), settings.disk_check)

@@ -1,0 +1,183 @@
+"""Shard files: many samples concatenated along the token axis in one safetensors file.
+
+Layout (any safetensors reader can open it): `input_ids` int64 [T], `loss_mask` int64 [T] and
+`layer_<i>` [T, hidden] per captured layer, where T is the sum of the samples' token counts.
+Sample k occupies rows offset_k .. offset_k + num_tokens_k of every tensor; the manifest
+(and the shard's own `__metadata__`) lists the offsets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Generator
+
+import numpy as np
+
+from hsx.dtypes import DTYPES
+from hsx.storage.atomic import atomic_file
+from hsx.storage.finite import FiniteCheck
+from hsx.storage.safetensors_raw import TensorSpan, encode_header
+from hsx.storage.sink import PIECE_BYTES, BufferedSink, DirectSink, open_sink
+
+SHARD_FORMAT = "hsx-shard/1"
+
+
+@dataclass
+class ShardSample:
+    """One validated sample on its way into a shard: ids, mask and each layer's raw bytes."""
+
+    sample_id: str
+    input_ids: np.ndarray  # int64 [T]
+    loss_mask: np.ndarray  # int64 [T]
+    layers: dict[int, TensorSpan | bytes] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    bytes: int
+    sha256: str
+    num_samples: int
+    num_tokens: int
+    offsets: list[int]
+
+
+class NonFiniteSamples(Exception):
+    """Samples whose values hold NaN or Inf: the shard was not written; `reasons` says where, per sample id."""
+
+    def __init__(self, reasons: dict[str, str]):
+        super().__init__("; ".join(f"{k}: {v}" for k, v in reasons.items()))
+        self.reasons = reasons
+
+
+def shard_name(number: int) -> str:
+    return f"shard-{number:06d}.safetensors"
+
+
+class _Out:
+    """The shard's bytes on their way to the sink, hashed (one sha256 stream) and counted. A layer's
+    bytes go in pieces of at most PIECE_BYTES: read from their file straight into the sink's buffer,
+    then checked and hashed while the piece is still in the processor's cache, then handed on. The
+    flusher's own thread does all of it (several flushers use several cores); only the disk writes
+    run on the sink's helper thread, so the disk stays busy meanwhile."""
+
+    def __init__(self, sink: BufferedSink | DirectSink):
+        self.sink = sink
+        self.sha = hashlib.sha256()
+        self.count = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.sha.update(data)
+        self.sink.write(data)
+        self.count += len(data)
+
+    def layer(self, src: TensorSpan | bytes, files: dict[Path, int], check: Callable[[memoryview], bool]) -> bool:
+        """Write a layer's bytes unless `check` refuses a piece of them; returns whether written."""
+        if not isinstance(src, TensorSpan):
+            with memoryview(src) as view:
+                for at in range(0, len(view), PIECE_BYTES):
+                    with view[at : at + PIECE_BYTES] as piece:
+                        if not check(piece):
+                            return False
+                        self.write(piece)
+            return True
+        with closing(_read(src, files, self.sink.room)) as pieces:
+            for piece in pieces:
+                if not check(piece):
+                    return False
+                self.sha.update(piece)
+                self.sink.advance(len(piece))
+                self.count += len(piece)
+        return True
+
+
+Room = Callable[[int], memoryview]  # a buffer for up to that many bytes (it may be shorter)
+
+
+def _read(src: TensorSpan, files: dict[Path, int], room: Room) -> Generator[memoryview, None, None]:
+    """A span's bytes, read piece by piece into what `room(bytes still to read)` gives."""
+    fd = files.get(src.path)
+    if fd is None:
+        fd = files[src.path] = os.open(src.path, os.O_RDONLY)
+    at = src.start
+    while at < src.end:
+        piece = room(src.end - at)
+        if os.preadv(fd, [piece], at) < len(piece):  # a file reads short only where it ends
+            raise OSError(f"{src.path}: ended before its tensor did")
+        yield piece
+        at += len(piece)
+
+
+def _check_only(src: TensorSpan | bytes, files: dict[Path, int], check: Callable[[memoryview], bool]) -> bool:
+    """Whether every value of a layer is finite, reading without writing (the shard is not written)."""
+    if not isinstance(src, TensorSpan):
+        with memoryview(src) as view:
+            return check(view)
+    scratch = memoryview(bytearray(PIECE_BYTES))
+    with closing(_read(src, files, lambda n: scratch[: min(n, PIECE_BYTES)])) as pieces:
+        return all(check(piece) for piece in pieces)
+
+
+def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int) -> ShardInfo:
+    """Write `samples` as one shard at `path`, atomically; return what the manifest records.
+
+    Every value is checked as it is copied: when any sample holds NaN or Inf, no shard is left
+    and NonFiniteSamples names each such sample (the rest are only checked, not written, once
+    the first is found), so the caller can write the others again without them."""
+    if not samples:
+        raise ValueError("a shard needs at least one sample")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers {layers} name a layer twice: a shard holds one layer_<i> tensor per layer")
+    code = DTYPES[dtype].code
+    row_bytes = hidden_size * DTYPES[dtype].itemsize
+    offsets, total = [], 0
+    for s in samples:
+        # A source that does not fit its rows would give a shard whose header lies about its data.
+        if s.loss_mask.shape != s.input_ids.shape:
+            raise ValueError(f"{s.sample_id}: loss_mask has {s.loss_mask.shape[0]} values for {s.num_tokens} tokens")
+        for layer in layers:
+            src = s.layers[layer]
+            size = src.nbytes if isinstance(src, TensorSpan) else len(src)
+            if size != s.num_tokens * row_bytes:
+                raise ValueError(f"{s.sample_id}: layer_{layer} has {size} bytes, expected {s.num_tokens * row_bytes}")
+        offsets.append(total)
+        total += s.num_tokens
+    entries: list[tuple[str, str, tuple[int, ...]]] = [("input_ids", "I64", (total,)), ("loss_mask", "I64", (total,))]
+    entries += [(f"layer_{i}", code, (total, hidden_size)) for i in layers]
+    metadata = {
+        "format": SHARD_FORMAT,
+        "sample_ids": json.dumps([s.sample_id for s in samples]),
+        "offsets": json.dumps(offsets),
+    }
+    files: dict[Path, int] = {}
+    try:
+        with atomic_file(path) as f, closing(open_sink(f)) as sink:
+            out = _Out(sink)
+            out.write(encode_header(entries, metadata))
+            out.write(np.concatenate([s.input_ids for s in samples]).astype("<i8").tobytes())
+            out.write(np.concatenate([s.loss_mask for s in samples]).astype("<i8").tobytes())
+            finite = FiniteCheck(dtype)
+            bad: dict[str, str] = {}
+            for layer in layers:
+                for s in samples:
+                    if s.sample_id in bad:
+                        continue
+                    if not (_check_only if bad else out.layer)(s.layers[layer], files, finite):
+                        bad[s.sample_id] = f"layer_{layer} holds NaN or Inf"
+            if bad:
+                raise NonFiniteSamples(bad)
+            sink.finish()
+            size, digest = out.count, out.sha.hexdigest()
+    finally:
+        for fd in files.values():
+            os.close(fd)
+    return ShardInfo(path.name, size, digest, len(samples), total, offsets)

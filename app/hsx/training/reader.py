@@ -1,0 +1,117 @@
+"""A job's samples read straight from its shards: one sample's rows at a time, never a shard whole.
+
+`load_job` reads manifest.json (given a job folder or the manifest's own path) into a `StoredJob`;
+`ShardReader` slices sample rows out of the shards with safetensors' memory-mapped `get_slice`, keeping
+a few opened shards in a small cache. The cache belongs to one process: after a fork (DataLoader
+workers) or a pickle (spawned workers) it starts empty, so no worker shares another's handles.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hsx.manifest import HiddenStates, Manifest, ManifestSample, load_manifest, locate
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """A job's files on disk: its folder, its manifest, and the hidden states its shards hold."""
+
+    job_dir: Path
+    manifest_path: Path
+    manifest: Manifest
+    hidden_states: HiddenStates
+
+    @property
+    def job_id(self) -> str:
+        return self.manifest.job_id
+
+    @property
+    def layers(self) -> list[int]:
+        return self.hidden_states.layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden_states.hidden_size
+
+    @property
+    def samples(self) -> list[ManifestSample]:
+        return self.manifest.samples
+
+    @property
+    def num_hidden_layers(self) -> int | None:
+        value = (self.manifest.model or {}).get("num_hidden_layers")
+        return int(value) if value is not None else None
+
+    @property
+    def model_type(self) -> str | None:
+        """transformers' model_type ("llama", "gemma2", ...), where the manifest records it."""
+        value = (self.manifest.model or {}).get("model_type")
+        return str(value) if value is not None else None
+
+
+def load_job(source: str | os.PathLike) -> StoredJob:
+    """Read and check a job's manifest; ValueError says what is wrong with it."""
+    job_dir, manifest_path = locate(source)
+    manifest = load_manifest(manifest_path, readable=True)
+    return StoredJob(job_dir, manifest_path, manifest, manifest.hidden_states())
+
+
+class ShardReader:
+    """Slices sample rows out of a job's shards through a small per-process cache of open shards."""
+
+    def __init__(self, job_dir: Path, max_open: int = 8):
+        if max_open < 1:
+            raise ValueError("max_open must be at least 1")
+        self.job_dir = Path(job_dir)
+        self.max_open = max_open
+        self._pid: int | None = os.getpid()
+        self._handles: OrderedDict[str, object] = OrderedDict()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_handles"] = OrderedDict()
+        state["_pid"] = None
+        return state
+
+    def open_shards(self) -> list[str]:
+        """The shards this process holds open now (oldest first)."""
+        return list(self._handles) if self._pid == os.getpid() else []
+
+    def handle(self, shard: str):
+        if self._pid != os.getpid():  # a forked worker: the parent's handles are not ours
+            self._handles = OrderedDict()
+            self._pid = os.getpid()
+        f = self._handles.get(shard)
+        if f is None:
+            try:
+                f = safe_open(str(self.job_dir / shard), framework="pt")
+            except Exception as exc:  # safetensors raises its own error type for a damaged file
+                raise ValueError(f"{self.job_dir / shard}: unreadable shard ({exc}); run hsx verify") from exc
+            self._handles[shard] = f
+            while len(self._handles) > self.max_open:
+                self._handles.popitem(last=False)
+        else:
+            self._handles.move_to_end(shard)
+        return f
+
+    def sample(self, entry: ManifestSample, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The rows of `keys` that belong to one sample of the manifest."""
+        start, stop = entry.offset, entry.offset + entry.num_tokens
+        f = self.handle(entry.shard)
+        out = {}
+        for key in keys:
+            t = f.get_slice(key)[start:stop]
+            if t.shape[0] != stop - start:
+                raise ValueError(f"{entry.shard}: {key} ends before sample {entry.id!r} does")
+            out[key] = t
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,481 @@
+"""Check a job folder against its manifest: every shard's bytes, and every sample's rows.
+
+`verify_job(job_dir)` is a pure function of the folder: it reads, never writes, and returns a
+`VerifyReport` whose `to_dict()` is JSON-serialisable. It checks
+
+- the manifest: readable, `hsx-manifest/1`, its header as `hsx.manifest` describes it, with layers,
+  hidden_size and a float dtype, and its shard and sample entries one by one;
+- each shard: present, byte size and sha256 as recorded, a safetensors header with `input_ids` and
+  `loss_mask` int64 [T] and `layer_<i>` [T, hidden_size] of the manifest's dtype for every layer,
+  T equal to the recorded num_tokens, its own `sample_ids` / `offsets` metadata agreeing with the manifest;
+- each sample: a known shard, rows `offset .. offset + num_tokens` inside it and overlapping no other
+  sample's, ids unique, per-shard counts as recorded; then its rows themselves, read straight from the
+  shard file a chunk at a time (never a shard whole): shapes, token ids in range, loss_mask 0/1, and
+  every hidden-state value finite.
+
+It needs no torch: rows are read as numpy arrays (bfloat16 as its bit patterns, tested for NaN and Inf
+by integer arithmetic), so the service and `hsx verify` run it on the base install.
+Faults are listed per shard and per sample (at most `max_faults`; `summary` counts them all).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from hsx.dtypes import DTYPES_BY_CODE
+from hsx.layers import layer_key
+from hsx.manifest import HiddenStates, ManifestHeader, ManifestSample, ManifestShard, locate, manifest_problems
+from hsx.storage.finite import FloatBits
+from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index, read_metadata
+
+HASH_CHUNK = 8 * 1024 * 1024
+_TEMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
+_Entry = TypeVar("_Entry", bound=BaseModel)
+
+
+@dataclass
+class Fault:
+    kind: str
+    message: str
+    shard: str | None = None
+    sample: str | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class VerifyReport:
+    job_dir: str
+    job_faults: list[Fault] = field(default_factory=list)
+    shard_faults: list[Fault] = field(default_factory=list)
+    sample_faults: list[Fault] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.summary.get("faults", 0)
+
+    def to_dict(self) -> dict:
+        return {
+            "job_dir": self.job_dir,
+            "ok": self.ok,
+            "summary": self.summary,
+            "job_faults": [f.to_dict() for f in self.job_faults],
+            "shard_faults": [f.to_dict() for f in self.shard_faults],
+            "sample_faults": [f.to_dict() for f in self.sample_faults],
+            "warnings": list(self.warnings),
+        }
+
+
+class _Faults:
+    def __init__(self, report: VerifyReport, limit: int):
+        self.report, self.limit = report, limit
+        self.kinds: Counter[str] = Counter()
+        self.bad_shards: set[str] = set()
+        self.bad_samples: set[str] = set()
+
+    def _add(self, bucket: list[Fault], fault: Fault) -> None:
+        self.kinds[fault.kind] += 1
+        if sum(self.kinds.values()) <= self.limit:
+            bucket.append(fault)
+
+    def job(self, kind: str, message: str) -> None:
+        self._add(self.report.job_faults, Fault(kind, message))
+
+    def shard(self, shard: str, kind: str, message: str) -> None:
+        self.bad_shards.add(shard)
+        self._add(self.report.shard_faults, Fault(kind, message, shard=shard))
+
+    def sample(self, sample: str, shard: str | None, kind: str, message: str) -> None:
+        self.bad_samples.add(sample)
+        self._add(self.report.sample_faults, Fault(kind, message, shard=shard, sample=sample))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _parse(model: type[_Entry], doc: dict) -> tuple[_Entry | None, list[str]]:
+    """A manifest entry as `model`, or the fields that keep it from being one."""
+    try:
+        return model.model_validate(doc), []
+    except ValidationError as exc:
+        return None, list(dict.fromkeys(str(e["loc"][0]) for e in exc.errors() if e["loc"]))
+
+
+class ShardRows:
+    """A shard's tensors read by row range straight from its file, where its header places them."""
+
+    def __init__(self, path: Path, spans: dict[str, TensorSpan]):
+        self.spans = spans
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __enter__(self) -> ShardRows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def dtype(self, key: str) -> str:
+        return DTYPES_BY_CODE[self.spans[key].dtype].name
+
+    def rows(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop of tensor `key` (fewer past its end); bfloat16 as uint16 bit patterns."""
+        span = self.spans[key]
+        data = span.read_rows(self._fd, start, stop)
+        return np.frombuffer(data, dtype=DTYPES_BY_CODE[span.dtype].numpy).reshape(-1, *span.shape[1:])
+
+
+def _shard_tensors(path: Path, entry: ManifestShard, hs: HiddenStates, faults: _Faults) -> dict[str, TensorSpan] | None:
+    """Check a shard's header against the manifest; its tensors, if their rows can be read."""
+    name = entry.name
+    try:
+        spans = read_index(path)
+    except (SafetensorsFormatError, OSError) as exc:
+        faults.shard(name, "header_invalid", str(exc))
+        return None
+    total = entry.num_tokens
+    ok = True
+    want: dict[str, tuple[str, tuple[int, ...]]] = {"input_ids": ("I64", (total,)), "loss_mask": ("I64", (total,))}
+    want.update({layer_key(i): (hs.dtype.code, (total, hs.hidden_size)) for i in hs.layers})
+    for key, (dtype, shape) in want.items():
+        span = spans.get(key)
+        if span is None:
+            faults.shard(name, "tensor_missing", f"no tensor {key}")
+            ok = False
+        elif span.dtype != dtype:
+            faults.shard(name, "tensor_dtype", f"{key} is {span.dtype}, the manifest says {dtype}")
+            ok = False
+        elif span.shape != shape:
+            faults.shard(name, "tensor_shape", f"{key} has shape {list(span.shape)}, expected {list(shape)}")
+            ok = False
+    return spans if ok else None
+
+
+def _shard_metadata(path: Path, name: str, placed: list[ManifestSample], faults: _Faults) -> None:
+    """The shard's own __metadata__ (sample_ids, offsets) must agree with the manifest."""
+    try:
+        meta = read_metadata(path)
+        ids, offsets = meta.get("sample_ids"), meta.get("offsets")
+        if ids is None or offsets is None:
+            return
+        in_shard = dict(zip(json.loads(ids), json.loads(offsets)))
+    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is a fault, not a crash
+        faults.shard(name, "metadata_invalid", f"unreadable __metadata__: {exc}")
+        return
+    for s in placed:
+        if in_shard.get(s.id) != s.offset:
+            faults.sample(
+                s.id,
+                name,
+                "metadata_mismatch",
+                f"the manifest places it at offset {s.offset}, the shard's metadata at {in_shard.get(s.id)}",
+            )
+
+
+def _check_rows(
+    rows: ShardRows,
+    name: str,
+    s: ManifestSample,
+    hs: HiddenStates,
+    vocab: int | None,
+    chunk_rows: int,
+    faults: _Faults,
+) -> None:
+    sid, start, n = s.id, s.offset, s.num_tokens
+    for key in ("input_ids", "loss_mask"):
+        t = rows.rows(key, start, start + n)
+        if t.shape != (n,) or rows.dtype(key) != "int64":
+            faults.sample(
+                sid, name, "sample_shape", f"{key} rows are {rows.dtype(key)} {list(t.shape)}, expected int64 [{n}]"
+            )
+            continue
+        if key == "input_ids":
+            bad = (t < 0) if vocab is None else ((t < 0) | (t >= vocab))
+            if bad.any():
+                row = int(np.flatnonzero(bad)[0])
+                faults.sample(
+                    sid,
+                    name,
+                    "bad_token_id",
+                    f"input_ids[{row}] = {int(t[row])} is outside [0, {vocab if vocab is not None else 'inf'})",
+                )
+        elif ((t != 0) & (t != 1)).any():
+            faults.sample(sid, name, "bad_loss_mask", "loss_mask holds values other than 0 and 1")
+    bits = FloatBits.of(hs.dtype)
+    for layer in hs.layers:
+        key = layer_key(layer)
+        for lo in range(0, n, chunk_rows):
+            count = min(chunk_rows, n - lo)
+            t = rows.rows(key, start + lo, start + lo + count)
+            if t.shape != (count, hs.hidden_size):
+                faults.sample(
+                    sid,
+                    name,
+                    "sample_shape",
+                    f"{key} rows are {rows.dtype(key)} {list(t.shape)}, "
+                    f"expected {hs.dtype.name} [{count}, {hs.hidden_size}]",
+                )
+                break
+            nan, inf = bits.nan_and_inf(t)
+            if nan.any() or inf.any():
+                first = int(np.flatnonzero((nan | inf).any(axis=1))[0])
+                faults.sample(
+                    sid,
+                    name,
+                    "non_finite",
+                    f"{key} has {int(nan.sum())} NaN and {int(inf.sum())} inf values, first in token {lo + first}",
+                )
+                break
+
+
+def verify_job(
+    job_dir: Path,
+    *,
+    check_hashes: bool = True,
+    check_values: bool = True,
+    chunk_rows: int = 4096,
+    max_faults: int = 1000,
+) -> VerifyReport:
+    """Check the job folder (or its manifest.json) against its manifest; see the module docstring."""
+    job_dir, manifest_path = locate(job_dir)
+    report = VerifyReport(str(job_dir))
+    faults = _Faults(report, max_faults)
+    summary: dict[str, Any] = {
+        "shards": 0,
+        "shards_ok": 0,
+        "samples": 0,
+        "samples_ok": 0,
+        "samples_read": 0,
+        "tokens": 0,
+        "bytes": 0,
+        "checked_hashes": check_hashes,
+        "checked_values": check_values,
+    }
+    report.summary = summary
+    try:
+        doc = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        faults.job("manifest_missing", f"{manifest_path} does not exist")
+        doc = None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        faults.job("manifest_unreadable", f"{manifest_path}: {exc}")
+        doc = None
+    placement: dict[str, str | None] = {}
+    problems = manifest_problems(doc) if doc is not None else []
+    for problem in problems:
+        faults.job("manifest_invalid", problem)
+    if doc is not None and not problems:
+        header = ManifestHeader.model_validate(doc)
+        placement = _verify_contents(
+            job_dir,
+            header,
+            doc["shards"],
+            doc["samples"],
+            faults,
+            summary,
+            check_hashes,
+            check_values,
+            max(1, chunk_rows),
+        )
+    summary["faults"] = sum(faults.kinds.values())
+    summary["faults_by_kind"] = dict(sorted(faults.kinds.items()))
+    summary["faults_listed"] = len(report.job_faults) + len(report.shard_faults) + len(report.sample_faults)
+    summary["shards_ok"] = summary["shards"] - len(faults.bad_shards)
+    # a sample is ok when nothing is wrong with it nor with the shard it lives in
+    summary["samples_ok"] = sum(
+        1 for sid, shard in placement.items() if sid not in faults.bad_samples and shard not in faults.bad_shards
+    )
+    return report
+
+
+def _verify_contents(
+    job_dir: Path,
+    m: ManifestHeader,
+    shard_docs: list[dict],
+    sample_docs: list[dict],
+    faults: _Faults,
+    summary: dict,
+    check_hashes: bool,
+    check_values: bool,
+    chunk_rows: int,
+) -> dict[str, str | None]:
+    """Check shards and samples; return each sample id's shard (for counting the sound ones)."""
+    hs = m.hidden_states()
+    shards: dict[str, ManifestShard | None] = {}  # None: listed, but its entry is not valid
+    readable: dict[str, dict[str, TensorSpan]] = {}
+    summary["shards"] = len(shard_docs)
+    for doc in shard_docs:
+        entry, bad = _parse(ManifestShard, doc)
+        name = doc.get("name")
+        if "name" in bad or not isinstance(name, str):
+            faults.job("manifest_invalid", f"shard name {name!r} is not a file name")
+            continue
+        if name in shards:
+            faults.shard(name, "duplicate_shard", "listed twice in the manifest")
+            continue
+        shards[name] = entry
+        if entry is None:
+            faults.shard(name, "manifest_invalid", f"entry lacks a valid {', '.join(bad)}")
+            continue
+        path = job_dir / name
+        if not path.is_file():
+            faults.shard(name, "shard_missing", f"{path} does not exist")
+            continue
+        size = path.stat().st_size
+        summary["bytes"] += size
+        if size != entry.bytes:
+            faults.shard(name, "size_mismatch", f"{size} bytes on disk, the manifest records {entry.bytes}")
+        if check_hashes:
+            digest = _sha256(path)
+            if digest != entry.sha256:
+                faults.shard(name, "sha256_mismatch", f"sha256 {digest}, the manifest records {entry.sha256}")
+        spans = _shard_tensors(path, entry, hs, faults)
+        if spans is not None:
+            readable[name] = spans
+
+    summary["samples"] = len(sample_docs)
+    by_shard: dict[str, list[ManifestSample]] = {}
+    seen: set[str] = set()
+    placement: dict[str, str | None] = {}
+    for doc in sample_docs:
+        sample, bad = _parse(ManifestSample, doc)
+        sid, shard = doc.get("id"), doc.get("shard")
+        label = str(sid)
+        placement.setdefault(label, shard if isinstance(shard, str) else None)
+        if "id" in bad or not isinstance(sid, str):
+            faults.sample(label, None, "manifest_invalid", f"sample id {sid!r} is not a string")
+            continue
+        if sid in seen:
+            faults.sample(label, shard, "duplicate_sample_id", "sample id listed twice")
+            continue
+        seen.add(sid)
+        if not isinstance(shard, str) or shard not in shards:
+            faults.sample(
+                label,
+                shard if isinstance(shard, str) else None,
+                "unknown_shard",
+                f"its shard {shard!r} is not among the manifest's shards",
+            )
+            continue
+        if sample is None:
+            faults.sample(
+                label,
+                shard,
+                "manifest_invalid",
+                f"offset {doc.get('offset')!r} / num_tokens {doc.get('num_tokens')!r} are not valid",
+            )
+            continue
+        summary["tokens"] += sample.num_tokens
+        entry = shards[shard]
+        if entry is not None and sample.offset + sample.num_tokens > entry.num_tokens:
+            faults.sample(
+                label,
+                shard,
+                "out_of_range",
+                f"rows {sample.offset}..{sample.offset + sample.num_tokens} end past the shard's "
+                f"{entry.num_tokens} rows",
+            )
+            continue
+        by_shard.setdefault(shard, []).append(sample)
+
+    for name, placed in by_shard.items():
+        placed.sort(key=lambda s: (s.offset, s.num_tokens))
+        for a, b in zip(placed, placed[1:]):
+            if b.offset < a.offset + a.num_tokens:
+                faults.sample(
+                    b.id,
+                    name,
+                    "overlap",
+                    f"rows {b.offset}..{b.offset + b.num_tokens} "
+                    f"overlap sample {a.id!r} ({a.offset}..{a.offset + a.num_tokens})",
+                )
+    for name, listed in shards.items():
+        if listed is None:
+            continue
+        placed = by_shard.get(name, [])
+        n_tokens = sum(s.num_tokens for s in placed)
+        if len(placed) != listed.num_samples:
+            faults.shard(
+                name,
+                "count_mismatch",
+                f"the manifest places {len(placed)} samples in it, its entry records {listed.num_samples}",
+            )
+        if n_tokens != listed.num_tokens:
+            faults.shard(
+                name, "count_mismatch", f"its samples cover {n_tokens} rows, its entry records {listed.num_tokens}"
+            )
+    if m.num_stored != len(sample_docs):
+        faults.job("count_mismatch", f"num_stored is {m.num_stored} but {len(sample_docs)} samples are listed")
+
+    declared = (m.model or {}).get("vocab_size")
+    vocab = declared if isinstance(declared, int) and not isinstance(declared, bool) and declared >= 1 else None
+    _warn_unlisted(job_dir, set(shards), faults.report)
+    if not check_values:
+        return placement
+    for name in sorted(readable):
+        path = job_dir / name
+        _shard_metadata(path, name, by_shard.get(name, []), faults)
+        with ShardRows(path, readable[name]) as rows:
+            for s in by_shard.get(name, []):
+                try:
+                    _check_rows(rows, name, s, hs, vocab, chunk_rows, faults)
+                except Exception as exc:  # noqa: BLE001 - a read that fails is this sample's fault, not a crash
+                    faults.sample(s.id, name, "unreadable", f"reading its rows failed: {exc}")
+                    continue
+                summary["samples_read"] += 1
+    return placement
+
+
+def _warn_unlisted(job_dir: Path, listed: set[str], report: VerifyReport) -> None:
+    for p in sorted(job_dir.iterdir()):
+        if p.name.startswith("shard-") and p.name.endswith(".safetensors") and p.name not in listed:
+            report.warnings.append(f"{p.name} is not in the manifest")
+        elif _TEMP_NAME.match(p.name):
+            report.warnings.append(f"{p.name} looks like a temporary file left by an interrupted write")
+
+
+def summary_lines(report: VerifyReport) -> list[str]:
+    s = report.summary
+    lines = [
+        f"{report.job_dir}: {'OK' if report.ok else 'FAULTY'}",
+        f"  shards {s.get('shards_ok', 0)}/{s.get('shards', 0)} ok, samples {s.get('samples_ok', 0)}/"
+        f"{s.get('samples', 0)} ok ({s.get('samples_read', 0)} read), {s.get('tokens', 0)} tokens, "
+        f"{_size(s.get('bytes', 0))}",
+    ]
+    if s.get("faults"):
+        kinds = ", ".join(f"{k} {v}" for k, v in s["faults_by_kind"].items())
+        lines.append(f"  {s['faults']} faults: {kinds}")
+    for f in report.job_faults + report.shard_faults + report.sample_faults:
+        where = " ".join(
+            x for x in (f"shard {f.shard}" if f.shard else "", f"sample {f.sample!r}" if f.sample else "") if x
+        )
+        lines.append(f"  - {f.kind}{' (' + where + ')' if where else ''}: {f.message}")
+    if s.get("faults", 0) > s.get("faults_listed", 0):
+        lines.append(f"  ... {s['faults'] - s['faults_listed']} more faults not listed")
+    lines += [f"  warning: {w}" for w in report.warnings]
+    return lines
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    e = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024**e:.1f} {'BKMGT'[e]}iB"
