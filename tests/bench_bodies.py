@@ -11,7 +11,9 @@ bodies of up to 128 MiB, then:
 - creates a job from an inline JSON body (`--json-mb`, 2,000-token samples), timing it and sampling
   the service's RSS: before, the most during, and after;
 - sends three such JSON bodies at once (the service takes `--max-large-bodies` of them, the others are
-  answered 503 at once) while small creates are timed.
+  answered 503 at once) while small creates are timed;
+- sends three bodies at once whose token ids, or layers, are all of the wrong type (each must be a 422
+  with one error, whatever the number of elements), sampling the service's RSS.
 
 Prints one line per measurement.
 """
@@ -19,6 +21,7 @@ Prints one line per measurement.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -167,9 +170,37 @@ def main(argv: list[str] | None = None) -> int:
                     f"{watch.peak / MiB:.0f} -> {rss(pid) / MiB:.0f} MiB; small creates meanwhile "
                     f"{ms(watch.create_times)}; /healthz {ms(watch.health)}"
                 )
+                mistyped_bodies(base, pid)
         finally:
             svc.stop()
     return 0
+
+
+MISTYPED = {
+    "1M mistyped token ids": {"samples": [{"input_ids": ["a"] * 1_000_000}]},
+    "4M mistyped layers": {"layers": [1.5] * 4_000_000, "samples": [{"input_ids": [1]}]},
+}
+
+
+def mistyped_bodies(base: str, pid: int) -> None:
+    """Three bodies at once whose lists hold the wrong type in every element: each must cost one error."""
+    for label, doc in MISTYPED.items():
+        body = json.dumps(doc).encode()
+
+        def post(_, body=body):
+            with httpx.Client(base_url=base, timeout=3600) as one:
+                t = time.perf_counter()
+                r = one.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+                return r.status_code, len(r.json().get("errors") or []), time.perf_counter() - t
+
+        before = rss(pid)
+        with Watch(base, pid) as watch, ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(post, range(3)))
+        print(
+            f"three bodies of {label} ({len(body) / 1e6:.0f} MB) at once: answers {sorted(a[0] for a in answers)} "
+            f"with {sorted(a[1] for a in answers)} errors in {', '.join(f'{a[2]:.1f}' for a in answers)} s; "
+            f"RSS {before / MiB:.0f} -> peak {watch.peak / MiB:.0f} -> {rss(pid) / MiB:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

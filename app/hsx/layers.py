@@ -36,10 +36,18 @@ def layers_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# Far beyond any model (the largest have a few hundred layers), and small enough that a job's layers
+# fit the database's layers key (jobs.layers_key, 2000 characters) on every engine alike.
+MAX_LAYERS = 256
+MAX_LAYER_INDEX = 4095
+
+
 def check_layers(layers: list[int]) -> list[int]:
     """The layers a job requires: what a capture lists, each once, in ascending order."""
     if not layers or layers != sorted(set(layers)) or layers[0] < 0:
         raise ValueError("layers must be a non-empty list of non-negative, unique, ascending layer indices")
+    if len(layers) > MAX_LAYERS or layers[-1] > MAX_LAYER_INDEX:
+        raise ValueError(f"layers must list at most {MAX_LAYERS} layers, each at most {MAX_LAYER_INDEX}")
     return layers
 
 

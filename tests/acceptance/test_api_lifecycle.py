@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import httpx
@@ -125,6 +126,26 @@ def test_cancel_answers_at_once_and_the_api_alone_completes_it(tmp_path, databas
     finally:
         svc.stop()
         engine.dispose()
+
+
+def test_concurrent_deletes_of_a_finished_job_are_one_204_and_404s(tmp_path, database_url):
+    """Deletes racing on one finished job: the one that wins deletes it, every other finds it gone (404),
+    never the 409 meant for a job that is not finished."""
+    svc = start_service(tmp_path, database_url, extra=["--no-writer"])
+    try:
+        job = svc.post_job({"samples": make_samples(3, seed=71)}).json()
+        assert svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel").status_code == 200
+        assert svc.wait_job(job["id"], timeout=60)["state"] == "cancelled"
+
+        def delete(_):
+            with httpx.Client(timeout=30) as c:
+                return c.delete(f"{svc.url}/v1/jobs/{job['id']}").status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(delete, range(32)))
+        assert sorted(codes) == [204] + [404] * 31, codes
+    finally:
+        svc.stop()
 
 
 def test_a_cancel_the_stopped_api_left_half_done_is_completed_by_a_worker(tmp_path, database_url):

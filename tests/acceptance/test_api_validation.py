@@ -315,3 +315,32 @@ def test_integers_written_with_a_zero_fraction_are_integers(service):
     line = b'{"id": "n", "input_ids": [5.0, 6]}\n'
     resp = service.client.post(service.url + "/v1/jobs", content=line, headers={"content-type": "application/x-ndjson"})
     assert resp.status_code == 202, resp.text
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"samples": [{"input_ids": ["a"] * 200_000}]},
+        {"samples": [{"input_ids": [1] * 100_000, "loss_mask": [0.5] * 100_000}]},
+        {"samples": [OK], "layers": [1.5] * 200_000},
+    ],
+    ids=["input_ids", "loss_mask", "layers"],
+)
+def test_a_huge_mistyped_list_is_one_error_not_one_per_element(service, unchanged, body):
+    errors = problem(service.post_job(body), 422)["errors"]
+    assert len(errors) == 1, errors[:3]
+
+
+def test_layers_are_bounded_alike_on_every_database(service, unchanged):
+    """A layers key longer than the database's column used to be a 500 on Postgres and stored on SQLite."""
+    body = problem(service.post_job({"samples": [OK], "layers": list(range(257))}), 422)
+    assert body["errors"][0]["field"] == "layers"
+    body = problem(service.post_job({"samples": [OK], "layers": [1, 4096]}), 422)
+    assert "at most 4095" in body["errors"][0]["message"]
+
+
+def test_the_most_layers_allowed_are_stored_on_every_database(service):
+    layers = list(range(4095 - 255, 4096))
+    resp = service.post_job({"samples": [OK], "layers": layers})
+    assert resp.status_code == 202, resp.text
+    assert resp.json()["layers"] == layers

@@ -221,7 +221,11 @@ def delete_job(*, session: Session, job_id: str, output_root: Path, delete_files
     """Delete a finished job's records and, with delete_files, its folder of shards and manifest."""
     with session.begin():
         job = get_job(session=session, job_id=job_id)
-        if not repo.delete_job(session, job_id):
+        deleted = repo.delete_job(session, job_id)
+        if deleted is None:
+            # Deleted by another request between the read and the lock: gone, as for that request.
+            raise NotFound(f"job {shown(job_id)}")
+        if not deleted:
             how = "wait until it is cancelled" if job.state == JobState.CANCELLING else "cancel it or let it finish"
             raise InvalidTransition(f"job is {job.state}; {how} first")
     if delete_files:
