@@ -139,6 +139,9 @@ def test_plugin_mode_stores_every_sample_exactly(tmp_path, sglang_python, model)
         assert svc.get("/healthz").json()["writer"]["server"]["identity"] == "ids"
         samples = svc.get(f"/v1/jobs/{job['id']}/samples?limit=100").json()["data"]
         assert [s["attempts"] for s in samples] == [1] * 30, "no attempt was spent on a refusal"
+        asked = svc.proc.log()  # hsx logs each request it sends to the model server
+        assert "/model_info " in asked and "/server_info " in asked, "SGLang 0.5.23's current names"
+        assert "/get_model_info" not in asked and "/get_server_info" not in asked, "not the deprecated ones"
     finally:
         svc.stop()
         server.stop()

@@ -31,6 +31,7 @@ class SGLangClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0):
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._old_info_paths = False  # the server knows only /get_model_info and /get_server_info
 
     def close(self) -> None:
         self._http.close()
@@ -55,10 +56,26 @@ class SGLangClient:
         self._request("GET", "/health")
 
     def model_info(self) -> dict:
-        return self._request("GET", "/get_model_info").json()
+        return self._info("/model_info", "/get_model_info")
 
     def server_info(self) -> dict:
-        return self._request("GET", "/get_server_info").json()
+        return self._info("/server_info", "/get_server_info")
+
+    def _info(self, path: str, deprecated: str) -> dict:
+        """SGLang 0.5.23 logs /get_model_info and /get_server_info as deprecated for /model_info and
+        /server_info; servers before it (and patched ones) know only the old names. The new name is
+        asked first, the old one where the server does not have it, and the answer remembered."""
+        if self._old_info_paths:
+            return self._request("GET", deprecated).json()
+        try:
+            resp = self._http.request("GET", path)
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(f"GET {path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code in (404, 405):
+            self._old_info_paths = True
+            return self._request("GET", deprecated).json()
+        self._raise_for_status(resp, "GET", path)
+        return resp.json()
 
     def prefill(self, input_ids: list[int], rid: str, *, asks: str | None = None) -> GenerateResult:
         """The forward whose hidden states we collect: the prompt and one new token.
