@@ -12,8 +12,11 @@ from __future__ import annotations
 import random
 import subprocess
 import textwrap
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -78,12 +81,18 @@ def model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
 
 
 def start_sglang(
-    python: str, tmp: Path, model_path: Path, flags: list[str], env: dict[str, str], dtype: str = "float32"
+    python: str,
+    tmp: Path,
+    model_path: Path,
+    flags: list[str],
+    env: dict[str, str],
+    dtype: str = "float32",
+    port: int | None = None,
 ) -> tuple[str, Process]:
     standin = tmp / "standin" / "sgl_kernel"
     standin.mkdir(parents=True, exist_ok=True)
     (standin / "__init__.py").write_text(textwrap.dedent(KERNEL_STANDIN))
-    port = free_port()
+    port = port or free_port()
     args = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", "127.0.0.1"]
     args += ["--port", str(port), "--device", "cpu", "--dtype", dtype, "--mem-fraction-static", "0.3"]
     args += ["--max-total-tokens", "65536", "--skip-tokenizer-init", "--chunked-prefill-size", "-1", *flags]
@@ -104,11 +113,20 @@ def truth(m: torch.nn.Module, ids: list[int], layers: list[int]) -> dict[int, to
     return {i: hs[i][0] for i in layers}
 
 
+def make_items(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"id": f"s{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(5, 80))]} for i in range(n)]
+
+
 def run_and_check(svc, m, layers: list[int], n: int, seed: int, dtype: str = "float32") -> tuple[dict, float]:
     """A job of n samples; every stored tensor against the (float32) recomputation. Returns (job, max abs diff)."""
-    rng = random.Random(seed)
-    items = [{"id": f"s{i}", "input_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(5, 80))]} for i in range(n)]
+    items = make_items(n, seed)
     job = svc.wait_job(svc.post_job({"samples": items}).json()["id"], timeout=600)
+    return job, check_stored(svc, m, job, items, layers, dtype)
+
+
+def check_stored(svc, m, job: dict, items: list[dict], layers: list[int], dtype: str = "float32") -> float:
+    """The max abs difference of every stored tensor from the recomputation of its sample's ids."""
     assert job["state"] == "succeeded", job
     folder = svc.output_root / job["id"]
     manifest = load_manifest(folder)
@@ -119,7 +137,7 @@ def run_and_check(svc, m, layers: list[int], n: int, seed: int, dtype: str = "fl
         assert got["input_ids"].tolist() == s["input_ids"]
         for i, want in truth(m, s["input_ids"], layers).items():
             worst = max(worst, (got[f"layer_{i}"].float() - want).abs().max().item())
-    return job, worst
+    return worst
 
 
 def test_plugin_mode_stores_every_sample_exactly(tmp_path, sglang_python, model):
@@ -173,5 +191,64 @@ def test_dtype_auto_on_a_float32_checkpoint_is_recorded_as_what_sglang_runs(tmp_
         _, worst = run_and_check(svc, m, [NUM_LAYERS], n=5, seed=3, dtype="float16")
         assert worst <= 0.05, worst  # float16 arithmetic against a float32 recomputation
     finally:
+        svc.stop()
+        server.stop()
+
+
+class OtherClient(threading.Thread):
+    """Another user of the same server: generates, and asks for health checks that run forwards."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.stop, self.sent = url, threading.Event(), 0
+
+    def run(self) -> None:
+        rng = random.Random(5)
+        with httpx.Client(timeout=60) as c:
+            while not self.stop.is_set() and self.sent < 2000:
+                ids = [rng.randrange(VOCAB) for _ in range(rng.randint(5, 80))]
+                try:
+                    c.post(self.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
+                    c.get(self.url + "/health_generate")
+                    self.sent += 1
+                except httpx.HTTPError:
+                    time.sleep(0.5)  # the server is being restarted
+
+
+def test_plugin_mode_beside_another_client_with_the_radix_cache_on_through_a_kill_and_restart(
+    tmp_path, sglang_python, model
+):
+    """SGLang's defaults (warm-up, radix cache on), four requests in flight, another client and health
+    checks all along; the server SIGKILLed mid-job and started again: every sample stored, exact."""
+    model_path, m = model
+    dumps = tmp_path / "dumps"
+    flags = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
+    env = {"SGLANG_PLUGINS": "hsx_dump", "HSX_DUMP_ROOT": str(dumps)}
+    port = free_port()
+    url, server = start_sglang(sglang_python, tmp_path, model_path, flags, env, port=port)
+    svc = start_service(
+        tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=dumps, extra=["--max-in-flight", "4"]
+    )
+    other = OtherClient(url)
+    other.start()
+    try:
+        items = make_items(120, seed=4)
+        items += [{"id": f"longer-{i}", "input_ids": s["input_ids"] + [7, 8, 9]} for i, s in enumerate(items[:10])]
+        job_id = svc.post_job({"samples": items}).json()["id"]
+        deadline = time.monotonic() + 300
+        while svc.get(f"/v1/jobs/{job_id}").json()["counts"]["queued"] > len(items) // 2:
+            assert time.monotonic() < deadline, "the job made no progress"
+            time.sleep(0.1)
+        server.kill()
+        time.sleep(2)
+        url, server = start_sglang(sglang_python, tmp_path, model_path, flags, env, port=port)
+        job = svc.wait_job(job_id, timeout=600)
+        # Prefill batches of several requests round differently from one prompt alone: within 1e-5.
+        assert check_stored(svc, m, job, items, [*AUX, NUM_LAYERS]) <= 1e-5
+        assert other.sent > 0
+        spent = [s["attempts"] for s in svc.get(f"/v1/jobs/{job_id}/samples?limit=200").json()["data"]]
+        assert max(spent) == 1, "the restart spent no attempt, and no prompt was served from the cache"
+    finally:
+        other.stop.set()
         svc.stop()
         server.stop()
