@@ -22,7 +22,7 @@ import torch
 
 from hsx.manifest import load_manifest, read_sample
 from tests.support.procs import Process, free_port
-from tests.support.stack import start_service
+from tests.support.stack import start_service, start_stock_sglang
 
 pytestmark = pytest.mark.slow  # a real SGLang starts in 30-90 s, once per test
 
@@ -252,3 +252,80 @@ def test_plugin_mode_beside_another_client_with_the_radix_cache_on_through_a_kil
         other.stop.set()
         svc.stop()
         server.stop()
+
+
+SERVER_FIELDS = (
+    "model_path",
+    "dtype",
+    "chunked_prefill_size",
+    "disable_radix_cache",
+    "enable_return_hidden_states",
+    "return_hidden_states_mode",
+    "enable_return_aux_hidden_states",
+    "return_aux_hidden_state_layer_ids",
+    "max_req_input_len",
+)
+IDS = [5, 17, 33, 2, 91, 14, 7]
+REQUESTS = {
+    "plugin request": {"input_ids": IDS, "rid": "hsx-p1", "extra_key": "k1", "return_logprob": True},
+    "rows in the answer": {"input_ids": IDS, "rid": "hsx-p2", "extra_key": "k2", "return_hidden_states": True},
+    '"last" as a string': {"input_ids": IDS, "rid": "hsx-p3", "return_hidden_states": "last"},
+    "a number for a bool": {"input_ids": IDS, "rid": "hsx-p4", "return_logprob": 1},
+    "a batch under one rid": {"input_ids": [IDS, IDS[:3]], "rid": "hsx-b", "extra_key": ["b0", "b1"]},
+    "no new token": {"input_ids": IDS, "rid": "hsx-p5", "sampling_params": {"max_new_tokens": 0}},
+}
+
+
+def shape(value) -> list[int]:
+    dims = []
+    while isinstance(value, list):
+        dims.append(len(value))
+        value = value[0] if value else None
+    return dims
+
+
+def answer_view(resp: httpx.Response) -> object:
+    """What hsx relies on in an answer: its status, and per sequence the id, token counts and the
+    shape of the hidden states it carries."""
+    if resp.status_code != 200:
+        return resp.status_code
+    body = resp.json()
+    return [
+        (
+            a["meta_info"]["id"],
+            a["meta_info"]["prompt_tokens"],
+            a["meta_info"]["cached_tokens"],
+            shape(a["meta_info"].get("hidden_states")),
+        )
+        for a in (body if isinstance(body, list) else [body])
+    ]
+
+
+def test_the_imitation_answers_as_the_real_server_does(tmp_path, sglang_python, model):
+    """The same requests to a real SGLang and to `hsx reference-server --stock-sglang` launched alike:
+    the same status codes, and in each answer the same fields hsx reads; the same server settings."""
+    model_path, _ = model
+    flags = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3", "--disable-radix-cache"]
+    flags += ["--skip-server-warmup"]
+    real_url, real = start_sglang(
+        sglang_python, tmp_path, model_path, flags, {"SGLANG_PLUGINS": "hsx_dump", "HSX_DUMP_ROOT": str(tmp_path / "r")}
+    )
+    imitation = start_stock_sglang(tmp_path, model_path, dump_root=tmp_path / "i", flags=[*flags, "--dtype", "float32"])
+    try:
+        with httpx.Client(timeout=60) as c:
+            for what, body in REQUESTS.items():
+                body = {"sampling_params": {"max_new_tokens": 1}} | body
+                got = [answer_view(c.post(url + "/generate", json=body)) for url in (real_url, imitation.url)]
+                assert got[0] == got[1], (what, got)
+            infos = [c.get(url + "/server_info").json() for url in (real_url, imitation.url)]
+            for field in SERVER_FIELDS:
+                assert infos[0].get(field) == infos[1].get(field), (field, infos[0].get(field), infos[1].get(field))
+            models = [c.get(url + "/model_info").json() for url in (real_url, imitation.url)]
+            assert models[0]["model_path"] == models[1]["model_path"] == str(model_path)
+        for rid in ("hsx-p1", "hsx-b_0", "hsx-b_1"):
+            assert (tmp_path / "r" / f"req_{rid}" / "done").exists() == (
+                tmp_path / "i" / f"req_{rid}" / "done"
+            ).exists()
+    finally:
+        imitation.proc.stop()
+        real.stop()

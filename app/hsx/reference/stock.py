@@ -163,6 +163,12 @@ def aux_layers(args: StockArgs, num_hidden_layers: int) -> list[int]:
     return layers
 
 
+def max_req_input_len(runner: ModelRunner) -> int:
+    """The longest prompt SGLang takes: its longest request (the context length less one, with room
+    for no more tokens than that) less five (scheduler: max_req_len - 5)."""
+    return runner.max_position_embeddings - 1 - 5
+
+
 def request_mode(value: Any) -> str | None:
     """One return_hidden_states value as a mode. SGLang's scheduler would take the string "last" too,
     but its API contract (srt/entrypoints/api_contract.py) refuses anything but a bool first."""
@@ -218,7 +224,7 @@ def parse_stock_generate(body: Any, runner: ModelRunner, server_mode: str | None
     if not isinstance(raw, list) or not raw:
         raise BadRequest("input_ids is required: a list of token ids or a list of such lists")
     is_batch = isinstance(raw[0], list)
-    max_len = runner.max_position_embeddings
+    max_len = max_req_input_len(runner)
     sequences = [
         check_ids(ids, f"input_ids[{n}]" if is_batch else "input_ids", runner.vocab_size, max_len)
         for n, ids in enumerate(raw if is_batch else [raw])
@@ -514,7 +520,7 @@ def create_stock_app(engine: StockEngine, ready: threading.Event) -> FastAPI:
     def server_info() -> dict:
         return {
             **args.resolved(),
-            "max_req_input_len": runner.max_position_embeddings,
+            "max_req_input_len": max_req_input_len(runner),
             "startup_time": started,
             "internal_states": [{}],
             "version": SGLANG_VERSION,
