@@ -462,6 +462,25 @@ def test_awkward_sample_ids_are_reachable(stack):
     )
 
 
+def test_health_without_a_token_says_only_whether_the_service_can_work(tmp_path):
+    """With --api-tokens, /healthz answers anyone, but where the service runs (host, dump root, model
+    server) only to a token."""
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'auth.db'}", extra=["--api-tokens", "reader-secret:read"])
+    try:
+        deadline = time.monotonic() + 30
+        while not svc.get("/healthz", headers={"Authorization": "Bearer reader-secret"}).json()["writers"]:
+            assert time.monotonic() < deadline, "the writer never reported"
+            time.sleep(0.2)
+        anyone = svc.get("/healthz").json()
+        assert anyone["status"] == "degraded" and anyone["database"] == "ok" and anyone["writers"] == []
+        assert set(anyone["writer"]) == {"state"}
+        assert str(tmp_path) not in json.dumps(anyone) and "127.0.0.1:9" not in json.dumps(anyone)
+        told = svc.get("/healthz", headers={"Authorization": "Bearer reader-secret"}).json()
+        assert told["writer"]["identity"].endswith(str(tmp_path / "dumps")) and told["writers"]
+    finally:
+        svc.stop()
+
+
 def test_tokens_guard_everything_but_health(tmp_path):
     svc = start_service(
         tmp_path,

@@ -278,9 +278,13 @@ class Health(BaseModel):
     status: Literal["ok", "degraded"]
     database: str
     writer: dict | None = Field(
-        description="this process's writer, when it runs one: identity, state, reason, server, tokens_per_s"
+        description="this process's writer, when it runs one: identity, state, reason, server, tokens_per_s "
+        "(with --api-tokens and no token: its state only)"
     )
-    writers: list[WriterOut] = Field(default_factory=list, description="every writer that reported recently")
+    writers: list[WriterOut] = Field(
+        default_factory=list,
+        description="every writer that reported recently (with --api-tokens and no token: none)",
+    )
 
 
 class TokenInfo(BaseModel):

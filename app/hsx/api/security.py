@@ -31,10 +31,11 @@ def install(app: FastAPI, spec: str) -> None:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if request.url.path in OPEN_PATHS or request.url.path.startswith(OPEN_PREFIXES):
-            return await call_next(request)
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         role = role_of(presented.strip()) if scheme.lower() == "bearer" and presented else None
+        if request.url.path in OPEN_PATHS or request.url.path.startswith(OPEN_PREFIXES):
+            request.state.role = role  # /healthz shows its details only to a token
+            return await call_next(request)
         if role is None:
             return problem_response(
                 401,

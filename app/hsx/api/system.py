@@ -3,6 +3,8 @@ caller's token may do."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from sqlalchemy import func, select, text
@@ -21,23 +23,27 @@ router = APIRouter(tags=["health"])
 @router.api_route(
     "/healthz", methods=["GET", "HEAD"], response_model=Health, summary="Liveness, database and writer status"
 )
-def healthz(session: ReadSessionDep, writer: WriterDep) -> Health:
+def healthz(request: Request, session: ReadSessionDep, writer: WriterDep, settings: SettingsDep) -> Health:
     try:
         session.execute(text("SELECT 1"))
         db = "ok"
     except Exception as exc:  # report, don't raise: health must answer while the database is down
         db = f"error: {type(exc).__name__}"
-    status = None
+    # With --api-tokens, a caller without a token learns whether the service can work, not where it
+    # runs: no host, dump root, model server, model or boot id.
+    detailed = not settings.api_tokens or getattr(request.state, "role", None) is not None
+    status: dict[str, Any] | None = None
     if writer is not None:
-        status = {
-            "identity": writer.identity,
-            "state": writer.status.state,
-            "reason": writer.status.reason,
-            "server": writer.status.server,
-            "tokens_per_s": round(writer.metrics.tokens_per_second(), 3),
-        }
+        status = {"state": writer.status.state}
+        if detailed:
+            status |= {
+                "identity": writer.identity,
+                "reason": writer.status.reason,
+                "server": writer.status.server,
+                "tokens_per_s": round(writer.metrics.tokens_per_second(), 3),
+            }
     writers = []
-    if db == "ok":
+    if db == "ok" and detailed:
         writers = [
             WriterOut(
                 identity=w.identity,
