@@ -141,6 +141,18 @@ class Settings(BaseSettings):
         "and stored) at once; another is refused at once with 503 and Retry-After, so that memory and the "
         "database are not swamped",
     )
+    body_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a job creation whose body sends nothing for this long is answered 408 and dropped, its "
+        "large-body slot freed: a stalled upload holds nothing for long",
+    )
+    body_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="a job creation's body must have arrived whole within this long (else 408), however steadily "
+        "it trickles in",
+    )
     max_in_flight: int = Field(
         4, description="rid mode: requests in flight at once (counter-named dumps always take one at a time)"
     )

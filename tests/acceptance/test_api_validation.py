@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 
 import pytest
 
@@ -344,3 +346,38 @@ def test_the_most_layers_allowed_are_stored_on_every_database(service):
     resp = service.post_job({"samples": [OK], "layers": layers})
     assert resp.status_code == 202, resp.text
     assert resp.json()["layers"] == layers
+
+
+def test_stalled_uploads_time_out_and_free_their_slots(tmp_path, database_url):
+    """Two uploads that announce a large body and stop sending: each is answered 408 once nothing has
+    arrived for --body-idle-timeout-s, and a large job creation is taken in again after them."""
+    svc = start_service(
+        tmp_path,
+        database_url,
+        extra=["--no-writer", "--max-large-bodies", "2", "--large-body-bytes", "1000", "--body-idle-timeout-s", "1"],
+    )
+    stalled = []
+    try:
+        host, port = svc.url.removeprefix("http://").split(":")
+        for _ in range(2):
+            s = socket.create_connection((host, int(port)), timeout=30)
+            s.sendall(
+                b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 9000000\r\n\r\n" + b'{"samples": [' + b" " * 5000
+            )
+            stalled.append(s)
+        time.sleep(0.3)
+        big = {"samples": [{"input_ids": list(range(1, 400))}]}
+        assert svc.post_job(big).status_code == 503, "both large-body slots are held"
+        for s in stalled:
+            answer = b""
+            while chunk := s.recv(65536):  # the service closes the connection after its answer
+                answer += chunk
+            answer = answer.decode(errors="replace")
+            assert answer.startswith("HTTP/1.1 408"), answer[:300]
+            assert "stopped arriving" in answer
+        assert svc.post_job(big).status_code == 202, "the slots are free again"
+    finally:
+        for s in stalled:
+            s.close()
+        svc.stop()

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import anyio
 from anyio.to_thread import run_sync
 from fastapi import Request
 
-from hsx.service.errors import Busy, ContentTooLarge, UnsupportedBody
+from hsx.service.errors import BodyTimeout, Busy, ContentTooLarge, UnsupportedBody
 
 RETRY_AFTER_S = 5
 # The content coding bodies are read in: none.
@@ -47,10 +49,14 @@ class LargeBodies:
 class Body:
     """One request's body, read through `chunks()` or `read()`, at most `limit` bytes."""
 
-    def __init__(self, request: Request, limit: int, large: LargeBodies):
+    def __init__(
+        self, request: Request, limit: int, large: LargeBodies, *, idle_timeout_s: float, total_timeout_s: float
+    ):
         self.request = request
         self.limit = limit
         self.large = large
+        self.idle_timeout_s = idle_timeout_s
+        self.total_timeout_s = total_timeout_s
         self.is_large = False
         coding = request.headers.get("content-encoding", IDENTITY)
         codings = [c.strip().lower() for c in coding.split(",") if c.strip()]
@@ -65,11 +71,29 @@ class Body:
             self._count(self.declared)
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; BodyTimeout when nothing comes for idle_timeout_s, or it is not whole
+        after total_timeout_s (a client that stops sending would otherwise hold its slot for ever)."""
         seen = 0
-        async for chunk in self.request.stream():
+        stream = self.request.stream().__aiter__()
+        deadline = time.monotonic() + self.total_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                with anyio.fail_after(min(self.idle_timeout_s, max(left, 0.0))):
+                    chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise BodyTimeout(self._timeout_detail(seen, left <= self.idle_timeout_s)) from None
             seen += len(chunk)
             self._count(seen)
             yield chunk
+
+    def _timeout_detail(self, seen: int, total: bool) -> str:
+        of = f" of {self.declared}" if self.declared is not None else ""
+        if total:
+            return f"the request body was not whole after {self.total_timeout_s:g} s ({seen}{of} bytes arrived)"
+        return f"the request body stopped arriving: nothing for {self.idle_timeout_s:g} s after {seen}{of} bytes"
 
     async def read(self) -> bytearray:
         data = bytearray()
@@ -98,7 +122,14 @@ class Body:
 async def job_body(request: Request, limit: int) -> AsyncIterator[Body]:
     """The body of a job creation, its large-body slot (if it takes one) held until the job is stored."""
     large: LargeBodies = request.app.state.large_bodies
-    body = Body(request, limit, large)
+    settings = request.app.state.settings
+    body = Body(
+        request,
+        limit,
+        large,
+        idle_timeout_s=settings.body_idle_timeout_s,
+        total_timeout_s=settings.body_timeout_s,
+    )
     try:
         yield body
     finally:

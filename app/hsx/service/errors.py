@@ -142,6 +142,15 @@ class UnsupportedBody(ServiceError):
         super().__init__(415, detail, type_="/problems/unsupported-media-type", headers=headers)
 
 
+class BodyTimeout(ServiceError):
+    """A request body stopped arriving, or took too long in all; nothing was stored."""
+
+    def __init__(self, detail: str):
+        super().__init__(
+            408, detail, type_="/problems/request-timeout", title="Request timeout", headers={"Connection": "close"}
+        )
+
+
 class Busy(ServiceError):
     """Too many large requests are being taken in at once; the same request can be sent again later."""
 
