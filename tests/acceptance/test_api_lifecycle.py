@@ -209,6 +209,12 @@ def test_retry_and_delete(stack):
         svc.client.post(f"{svc.url}/v1/jobs/{running['id']}/cancel")
         svc.wait_job(running["id"])
     assert (svc.output_root / ok["id"] / "manifest.json").exists()
+    # A finished job whose folder was moved away: gone (410), as its shards and manifest are elsewhere.
+    folder = svc.output_root / ok["id"]
+    folder.rename(folder.with_name("moved-away"))
+    gone = problem(svc.client.post(f"{svc.url}/v1/jobs/{ok['id']}/verify"), 410)
+    assert "manifest.json" in gone["missing_shards"]
+    folder.with_name("moved-away").rename(folder)
     assert svc.client.delete(f"{svc.url}/v1/jobs/{ok['id']}", params={"delete_files": "true"}).status_code == 204
     assert svc.get(f"/v1/jobs/{ok['id']}").status_code == 404
     assert not (svc.output_root / ok["id"]).exists()

@@ -412,8 +412,10 @@ def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete
 
 @router.post(
     "/{job_id}/verify",
-    responses=_problems(404, 409),
+    responses=_problems(404, 409, 410),
     summary="Check every shard's sha256 and every sample's shapes, dtype and finite values",
+    description="A 409 while the job is not finished; a 410 when its folder (manifest and shards) is no longer "
+    "in the output root.",
 )
 def verify(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
     return service.verify_job(session=session, job_id=job_id, output_root=settings.output_root)

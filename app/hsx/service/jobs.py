@@ -29,7 +29,7 @@ from hsx.service.errors import (
     ShardsMissing,
 )
 from hsx.service.lines import LineTooLongError
-from hsx.states import JobState
+from hsx.states import TERMINAL_JOB_STATES, JobState
 from hsx.verify import verify_job as verify_folder
 
 # A streamed body goes to the worker thread in blocks of about this many bytes.
@@ -263,6 +263,10 @@ def verify_job(*, session: Session, job_id: str, output_root: Path) -> dict:
     job = get_job(session=session, job_id=job_id)
     folder = job_dir(output_root, job.id)
     if not (folder / MANIFEST_NAME).exists():
+        if job.state in TERMINAL_JOB_STATES:
+            # Finished, so its manifest was written: the folder was removed or moved since, as for a shard.
+            shards = [s.name for s in repo.job_shards(session, job.id)]
+            raise ShardsMissing(job.id, [MANIFEST_NAME, *shards])
         raise InvalidTransition(f"job is {job.state}; its manifest is written once it is finished")
     return verify_folder(folder).to_dict()
 
