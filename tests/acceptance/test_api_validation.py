@@ -381,3 +381,10 @@ def test_stalled_uploads_time_out_and_free_their_slots(tmp_path, database_url):
         for s in stalled:
             s.close()
         svc.stop()
+
+
+def test_an_empty_cursor_is_the_first_page(service):
+    job = service.post_job({"samples": [OK, OK]}).json()
+    for path in (f"/v1/jobs/{job['id']}/samples?after=", "/v1/jobs?after="):
+        resp = service.get(path)
+        assert resp.status_code == 200 and resp.json()["data"], (path, resp.text)

@@ -265,7 +265,7 @@ def list_samples(
 ) -> SamplePage:
     service.get_job(session=session, job_id=job_id)
     after_idx = None
-    if after is not None:
+    if after:  # an empty cursor, which the document allows, is the first page
         anchor = repo.get_sample(session, job_id, after)
         if anchor is None:
             raise InvalidInput([{"field": "after", "message": f"no sample {after!r} in this job to continue after"}])
