@@ -388,3 +388,11 @@ def test_an_empty_cursor_is_the_first_page(service):
     for path in (f"/v1/jobs/{job['id']}/samples?after=", "/v1/jobs?after="):
         resp = service.get(path)
         assert resp.status_code == 200 and resp.json()["data"], (path, resp.text)
+
+
+def test_a_query_value_that_is_not_utf8_is_refused_not_replaced(service, unchanged):
+    line = json.dumps(OK).encode() + b"\n"
+    resp = service.client.post(
+        service.url + "/v1/jobs?name=%FFbad", content=line, headers={"content-type": "application/x-ndjson"}
+    )
+    assert problem(resp, 422)["errors"][0]["field"] == "name"

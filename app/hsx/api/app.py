@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from hsx.api import dashboard, jobs, openapi, problems, routing, security, system
+from hsx.api import dashboard, jobs, openapi, problems, query, routing, security, system
 from hsx.api.bodies import LargeBodies
 from hsx.config import Settings, parse_tokens
 from hsx.db.engine import make_engine, session_factory
@@ -51,6 +51,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     app.state.backend = BackendInfo(settings.backend_url)
     app.state.large_bodies = LargeBodies(settings.max_large_bodies, settings.large_body_bytes)
     problems.install(app)
+    query.install(app)
     security.install(app, settings.api_tokens)
     routers = [jobs.router, system.router]
     for router in routers:
