@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from hsx.api.schemas import MAX_TOKEN_ID, SampleIn, parse_body
+from hsx.db.locks import hold_disk_budget
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
@@ -162,6 +163,7 @@ class DiskCheck:
         as an active job: its bytes are `needed`, never part of what the others still have to write."""
         if self.mode == "off":
             return None
+        hold_disk_budget(session)  # another creation's check waits for this job's estimate
         root = self.output_root
         while not root.exists():
             root = root.parent
