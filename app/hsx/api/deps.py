@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Iterator
 
 from fastapi import Depends, Request
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from hsx.config import Settings
 from hsx.extraction import Writer
 from hsx.service.backend_info import BackendInfo
 from hsx.service.cancelling import CancelSweeper
+
+log = logging.getLogger("hsx.api")
 
 
 def get_settings(request: Request) -> Settings:
@@ -26,13 +30,31 @@ def get_read_sessions(request: Request) -> sessionmaker[Session]:
 
 
 def get_session(sessions: Annotated[sessionmaker[Session], Depends(get_sessions)]) -> Iterator[Session]:
-    with sessions() as session:
-        yield session
+    yield from _request_session(sessions)
 
 
 def get_read_session(sessions: Annotated[sessionmaker[Session], Depends(get_read_sessions)]) -> Iterator[Session]:
-    with sessions() as session:
+    yield from _request_session(sessions)
+
+
+def _request_session(sessions: sessionmaker[Session]) -> Iterator[Session]:
+    session = sessions()
+    try:
         yield session
+    finally:
+        _end(session)
+
+
+def _end(session: Session) -> None:
+    """Close a request's session, which FastAPI does after the answer has started. A connection the
+    database dropped meanwhile fails the rollback that ends it: the answer stands (what it wrote was
+    committed before it), so the connection is discarded, with a line in the log, instead of the
+    error reaching the server, which would cut the client's keep-alive connection mid-answer."""
+    try:
+        session.close()
+    except DBAPIError as exc:
+        log.warning("database connection lost as a request ended (%s); discarded", type(exc.orig).__name__)
+        session.invalidate()
 
 
 def get_backend(request: Request) -> BackendInfo:

@@ -3,6 +3,7 @@ business errors (hsx.service.errors) as they describe themselves."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from http import HTTPStatus
 
@@ -11,11 +12,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hsx.service.errors import InvalidInput, ServiceError
 from hsx.storage.output_root import OutputRootMismatch
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+log = logging.getLogger("hsx.api")
 
 
 def problem_response(
@@ -83,6 +87,15 @@ def install(app: FastAPI) -> None:
             f"database unavailable: {type(exc.orig).__name__}",
             "/problems/database-unavailable",
             {"Retry-After": "2"},
+        )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _: ClientDisconnect):
+        # The client went away before its body was whole: nothing was stored (the transaction rolled
+        # back) and nobody is left to read an answer. Routine for a client, so a line, not a traceback.
+        log.info("%s %s: the client disconnected before its request body was whole", request.method, request.url.path)
+        return problem_response(
+            400, "Bad Request", "the client disconnected before the request body was whole", "/problems/disconnected"
         )
 
     @app.exception_handler(OutputRootMismatch)
