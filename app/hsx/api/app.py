@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from hsx.api import dashboard, jobs, openapi, problems, query, routing, security, system
+from hsx.api import dashboard, docs_page, jobs, openapi, problems, query, routing, security, system
 from hsx.api.bodies import LargeBodies
 from hsx.config import Settings, parse_tokens
 from hsx.db.engine import make_engine, session_factory
@@ -41,6 +41,8 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
         lifespan=lifespan,
         redirect_slashes=False,  # hsx.api.routing redirects, with a relative Location
         generate_unique_id_function=openapi.operation_id,
+        docs_url=None,  # hsx.api.docs_page: a pinned Swagger UI under a content security policy
+        redoc_url=None,
     )
     # What the routes depend on (hsx.api.deps reads it).
     app.state.settings = settings
@@ -57,6 +59,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     for router in routers:
         app.include_router(router)
     dashboard.install(app)
+    docs_page.install(app)
     routing.install(app, routers)
     openapi.install(app, bearer=bool(parse_tokens(settings.api_tokens)))
     return app
