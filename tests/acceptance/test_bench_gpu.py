@@ -12,7 +12,7 @@ ROWS = ("model alone", "server alone", "service, clear-and-scan", "service, rid 
 
 def test_smoke_run_prints_every_row_with_positive_figures(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "tests.bench_gpu", "--smoke", "--output-dir", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.bench_gpu", "--smoke", "--output-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,

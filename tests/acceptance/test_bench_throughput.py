@@ -1,4 +1,4 @@
-"""The throughput benchmark's whole code path at a tiny shape, so that the README's performance tables
+"""The throughput benchmark's whole code path at a tiny shape, so that the tables of docs/performance.md
 can be reproduced with the command it gives: every row is there with its figures, the shard writer's
 table too, and the benchmark leaves nothing behind."""
 
@@ -26,7 +26,16 @@ def test_a_small_run_prints_every_row_and_leaves_nothing_behind(tmp_path):
     shm_before = _bench_folders()
     args = ["--samples", "2", "--tokens", "64", "--hidden", "256", "--layers", "2", "--in-flight", "2"]
     out = subprocess.run(
-        [sys.executable, "-m", "tests.bench_throughput", *args, "--writer-gb", "0.01", "--output-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_throughput",
+            *args,
+            "--writer-gb",
+            "0.01",
+            "--output-dir",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

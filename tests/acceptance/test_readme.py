@@ -1,5 +1,6 @@
-"""README.md's examples work: the curl session and the Python SDK snippet run against a live service, and every
-`hsx` line of the command-line examples parses."""
+"""The documentation's examples work: README.md's short API example, and docs/api.md's curl session and Python
+SDK snippet, run against a live service; every `hsx` line of the command-line examples parses; and the SGLang
+launch commands of docs/engines.md fit the supported release."""
 
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ from hsx.sdk import HsxClient
 from tests.support.sglang import release_check
 from tests.support.stack import start_stack, stop_stack
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+API = REPO / "docs" / "api.md"
+ENGINES = REPO / "docs" / "engines.md"
 MARKED = re.compile(r"<!-- tested: ([\w-]+)[^>]*-->\s*\n```(\w+)\n(.*?)\n```", re.S)
 
 
-def section(heading: str) -> str:
-    """The README's text under `heading`, up to the next heading of the same or a higher level (lines inside
+def section(heading: str, doc: Path) -> str:
+    """The text of `doc` under `heading`, up to the next heading of the same or a higher level (lines inside
     code blocks are not headings)."""
     level = len(heading.split(" ")[0])
     out, inside, fenced = [], False, False
-    for line in README.read_text().splitlines():
+    for line in doc.read_text().splitlines():
         if line.startswith("```"):
             fenced = not fenced
         elif not fenced and re.match(r"#+ ", line):
@@ -38,13 +42,13 @@ def section(heading: str) -> str:
                 continue
         if inside:
             out.append(line)
-    assert out, f"README has no section {heading!r}"
+    assert out, f"{doc.name} has no section {heading!r}"
     return "\n".join(out)
 
 
-def marked_block(heading: str, name: str, lang: str) -> str:
-    found = [m for m in MARKED.finditer(section(heading)) if m.group(1) == name]
-    assert len(found) == 1, f"README: one block marked <!-- tested: {name} --> under {heading!r}"
+def marked_block(heading: str, doc: Path, name: str, lang: str) -> str:
+    found = [m for m in MARKED.finditer(section(heading, doc)) if m.group(1) == name]
+    assert len(found) == 1, f"{doc.name}: one block marked <!-- tested: {name} --> under {heading!r}"
     assert found[0].group(2) == lang
     return found[0].group(3) + "\n"
 
@@ -56,14 +60,27 @@ def service(tmp_path_factory, checkpoint):
     stop_stack(svc, ref)
 
 
-def test_curl_session(service, tmp_path):
+def run_bash(block: str, service, tmp_path: Path) -> subprocess.CompletedProcess:
     script = tmp_path / "session.sh"
-    script.write_text(marked_block("## API", "curl-session", "bash"))
+    script.write_text(block)
     env = {**os.environ, "HSX": service.url, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run(
         ["bash", "-euo", "pipefail", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_readme_api_example(service, tmp_path):
+    proc = run_bash(marked_block("## The API in short", README, "quick-api", "bash"), service, tmp_path)
+    manifest = json.loads(proc.stdout)  # the example's only output is the manifest
+    assert manifest["name"] == "quick" and manifest["state"] == "succeeded" and manifest["num_stored"] == 2
+    with HsxClient(service.url) as hsx:
+        assert hsx.get_job(manifest["job_id"]).state == "succeeded"
+
+
+def test_curl_session(service, tmp_path):
+    proc = run_bash(marked_block("## HTTP API", API, "curl-session", "bash"), service, tmp_path)
     job_id, state = re.search(r"^job (job_\w+) (\w+)$", proc.stdout, re.M).groups()
     assert state == "succeeded"
     with HsxClient(service.url) as hsx:
@@ -77,7 +94,7 @@ def test_curl_session(service, tmp_path):
 
 def test_python_sdk_snippet(service, tmp_path):
     script = tmp_path / "snippet.py"
-    script.write_text(marked_block("### Python SDK", "python-sdk", "python"))
+    script.write_text(marked_block("## Python SDK", API, "python-sdk", "python"))
     env = {**os.environ, "HSX_URL": service.url}
     env.pop("HSX_TOKEN", None)
     proc = subprocess.run(
@@ -92,7 +109,7 @@ def test_python_sdk_snippet(service, tmp_path):
 
 
 def test_command_line_examples_parse():
-    text = section("### Command line")
+    text = section("## Command line", API)
     lines = [ln for ln in re.findall(r"```bash\n(.*?)\n```", text, re.S)[0].splitlines() if ln.startswith("hsx ")]
     assert len(lines) >= 8
     parser = build_parser()
@@ -106,7 +123,8 @@ def test_running_with_sglang_commands_fit_the_release_and_hsx(supported_wheel):
     """Both launch commands: every SGLang flag exists in the supported release, the plugin's entry
     point and dump root are the ones hsx is told about, and every `hsx serve` line parses."""
     blocks = [
-        b.replace("\\\n", " ") for b in re.findall(r"```bash\n(.*?)\n```", section("## Running with SGLang"), re.S)
+        b.replace("\\\n", " ")
+        for b in re.findall(r"```bash\n(.*?)\n```", section("## Running with SGLang", ENGINES), re.S)
     ]
     assert len(blocks) == 2, "one block with the plugin, one without"
     have = release_check.cli_flags_of(supported_wheel)
@@ -124,3 +142,15 @@ def test_running_with_sglang_commands_fit_the_release_and_hsx(supported_wheel):
             assert env["SGLANG_PLUGINS"] == "hsx_dump" and env["HSX_DUMP_ROOT"] == args.dump_root
         else:
             assert args.dump_root is None, "without the plugin no dump root is needed"
+
+
+def test_readme_launches_sglang_as_the_checked_command():
+    """README.md's one-process example repeats the plugin launch of docs/engines.md, which the test above checks
+    against the release: the two stay the same text."""
+    (readme,) = [
+        b
+        for b in re.findall(r"```bash\n(.*?)\n```", section("## Two ways to run it", README), re.S)
+        if "sglang.launch_server" in b
+    ]
+    checked = re.findall(r"```bash\n(.*?)\n```", section("## Running with SGLang", ENGINES), re.S)
+    assert readme in checked

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tests.support.soak import Soak, print_report
 
-# Long enough for a few dozen random disturbances of every kind (`python -m tests.soak --long` runs 5,000):
+# Long enough for a few dozen random disturbances of every kind (`python -m benchmarks.soak --long` runs 5,000):
 # at 1 ms a prompt token (82 tokens on average) the disturbances themselves stretch the job to about a minute.
 SAMPLES = 100
 PREFILL_US_PER_TOKEN = 1000

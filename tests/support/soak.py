@@ -1,6 +1,6 @@
 """The soak run: one job extracted from a synthetic reference server while a chaos loop injects
 faults of every kind at random and kills and restarts both processes; then every stored sample is
-checked against an independent recomputation. `python -m tests.soak` and tests/acceptance/test_soak.py
+checked against an independent recomputation. `python -m benchmarks.soak` and tests/acceptance/test_soak.py
 drive it."""
 
 from __future__ import annotations

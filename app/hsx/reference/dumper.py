@@ -1,4 +1,5 @@
-"""Write one dump directory per forward request, as dump protocol v1 specifies (README.md, "The dump directory")."""
+"""Write one dump directory per forward request, as dump protocol v1 specifies (docs/engines.md, "The dump
+directory")."""
 
 from __future__ import annotations
 

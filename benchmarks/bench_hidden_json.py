@@ -1,8 +1,8 @@
 """Parsing benchmark: SGLang's /generate answer with hidden states, through hsx.backends.hidden_json.
 
-    python tests/bench_hidden_json.py                         # the defaults below: a real answer's size
-    python tests/bench_hidden_json.py --rows 4710 --width 21504 --chunk-size 16384
-    python tests/bench_hidden_json.py --rows 200 --width 4096 --baseline
+    python -m benchmarks.bench_hidden_json                    # the defaults below: a real answer's size
+    python -m benchmarks.bench_hidden_json --rows 4710 --width 21504 --chunk-size 16384
+    python -m benchmarks.bench_hidden_json --rows 200 --width 4096 --baseline
 
 The answer is made on the fly by a generator and never exists as one bytes object, as when it
 streams from the server: `--distinct` rows of bf16 values (random normal, made with numpy), written

@@ -1,8 +1,8 @@
 """Soak run: thousands of samples with faults of every kind injected at random.
 
-    python -m tests.soak                 # short run (what CI runs through tests/acceptance/test_soak.py)
-    python -m tests.soak --long          # 5,000 samples
-    python -m tests.soak --samples 2000 --database-url postgresql://postgres@127.0.0.1/test
+    python -m benchmarks.soak            # short run (what CI runs through tests/acceptance/test_soak.py)
+    python -m benchmarks.soak --long     # 5,000 samples
+    python -m benchmarks.soak --samples 2000 --database-url postgresql://postgres@127.0.0.1/test
 
 A synthetic reference server (no model compute; content a pure function of the token ids) runs
 with fault injection on; the service extracts one job while a chaos loop, at random, makes the

@@ -1,9 +1,9 @@
 """Throughput benchmark: the service against the first pipeline's bare loop, side by side, and
 where the service's time goes.
 
-    python -m tests.bench_throughput                       # the defaults below
-    python -m tests.bench_throughput --samples 60 --tokens 2000 --hidden 4096 --layers 4
-    python -m tests.bench_throughput --only writer --writer-gb 4   # the shard writer alone, quickly
+    python -m benchmarks.bench_throughput                  # the defaults below
+    python -m benchmarks.bench_throughput --samples 60 --tokens 2000 --hidden 4096 --layers 4
+    python -m benchmarks.bench_throughput --only writer --writer-gb 4   # the shard writer alone, quickly
 
 Runs, in one process tree on this machine, with a synthetic reference server (no model compute,
 tensors of a realistic shape written to /dev/shm):

@@ -1,7 +1,7 @@
 """Cancel benchmark: a job of a million queued samples, cancelled, on SQLite and on Postgres.
 
-    python -m tests.bench_cancel                              # 1,000,000 samples, both databases
-    python -m tests.bench_cancel --samples 200000 --databases sqlite
+    python -m benchmarks.bench_cancel                         # 1,000,000 samples, both databases
+    python -m benchmarks.bench_cancel --samples 200000 --databases sqlite
 
 For each database: the job's rows are inserted directly (repository.JobBuilder, COPY on Postgres), an
 API-only service (`hsx serve --no-writer`) is started on it, and the benchmark times the cancel request

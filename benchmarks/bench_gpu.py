@@ -1,7 +1,7 @@
 """GPU benchmark: how long a real model's GPU waits on hsx.
 
-    python -m tests.bench_gpu            # Llama-3-8B's shape on CUDA (sized for under 8 minutes on one H200)
-    python -m tests.bench_gpu --smoke    # the same code path on the CPU with a tiny model (under a minute)
+    python -m benchmarks.bench_gpu          # Llama-3-8B's shape on CUDA (sized for under 8 minutes on one H200)
+    python -m benchmarks.bench_gpu --smoke  # the same code path on the CPU with a tiny model (under a minute)
 
 Builds a model of Llama-3-8B's shape (32 layers, hidden 4096, intermediate 14336, 32 heads, 8 KV
 heads, vocabulary 128256) with random weights in bf16 from a transformers LlamaConfig (nothing is
@@ -19,8 +19,8 @@ tokens/s (prompts of --tokens tokens, no decode, the captured layers EAGLE-3's 2
 
 and prints, for each, tokens/s, GB/s persisted, the fraction of the model alone's rate, and the
 fraction of time the GPU waits on hsx: 1 - service tokens/s / server-alone tokens/s, next to the
-target (rid mode keeps the GPU >= 90% as busy as without hsx). The last lines are a README-ready
-table with the date.
+target (rid mode keeps the GPU >= 90% as busy as without hsx). The last lines are a table ready for
+docs/performance.md, with the date.
 
 Without CUDA (and without --smoke) it prints why it is skipped and exits 0. --smoke runs every step
 on the CPU with a tiny model and few short prompts, so the script keeps working while no GPU is at
@@ -274,12 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default=".", help="a folder on the disk the shards go to (default: here)")
     args = parser.parse_args(argv)
     if args.smoke:
-        shape = Shape("tiny Llama (smoke)", embedded_config(), "cpu", 6, 64, "python -m tests.bench_gpu --smoke")
+        shape = Shape("tiny Llama (smoke)", embedded_config(), "cpu", 6, 64, "python -m benchmarks.bench_gpu --smoke")
     elif not torch.cuda.is_available():
         print("skipped: CUDA is not available (torch.cuda.is_available() is False); --smoke runs on the CPU")
         return 0
     else:
-        shape = Shape("Llama-3-8B shape, random weights", llama3_8b(), "cuda", 160, 2048, "python -m tests.bench_gpu")
+        shape = Shape(
+            "Llama-3-8B shape, random weights", llama3_8b(), "cuda", 160, 2048, "python -m benchmarks.bench_gpu"
+        )
     with tempfile.TemporaryDirectory(prefix="hsx-bench-gpu-", dir=args.output_dir) as tmp:
         rows = run(shape, args, Path(tmp))
     report(shape, rows, args.in_flight)

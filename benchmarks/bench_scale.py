@@ -1,11 +1,11 @@
 """Scale benchmark: a job of a million samples.
 
-    python -m tests.bench_scale                          # 1,000,000 samples, SQLite
-    python -m tests.bench_scale --samples 200000 --database-url postgresql://postgres@127.0.0.1/test
+    python -m benchmarks.bench_scale                     # 1,000,000 samples, SQLite
+    python -m benchmarks.bench_scale --samples 200000 --database-url postgresql://postgres@127.0.0.1/test
 
 Streams the job as JSONL (application/x-ndjson) into a service whose writer extracts from a small
 synthetic reference server, then, while it runs, times GET /v1/jobs/{id} and a page of samples,
-cancels it (the request answers with the job cancelling; tests/bench_cancel.py times the rest), and
+cancels it (the request answers with the job cancelling; benchmarks/bench_cancel.py times the rest), and
 reports the service's peak RSS. Prints: creation time, GET latency p50/p99, page latency, the cancel
 request's time, RSS.
 """

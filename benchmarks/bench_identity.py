@@ -1,7 +1,7 @@
 """What each dump's proof of identity costs per sample, in clear-and-scan (one request at a time).
 
-    python -m tests.bench_identity                      # 200 samples of 512 tokens per row
-    python -m tests.bench_identity --samples 500 --tokens 2048
+    python -m benchmarks.bench_identity                 # 200 samples of 512 tokens per row
+    python -m benchmarks.bench_identity --samples 500 --tokens 2048
 
 Each row runs one job against a synthetic reference server (counter-named dumps) and an `hsx serve`
 on SQLite: dumps carrying ids (taken as soon as they complete), and dumps carrying neither ids nor rid

@@ -1,7 +1,7 @@
 """Large request bodies: time, memory and how the rest of the API answers meanwhile.
 
-    python -m tests.bench_bodies                          # SQLite, lines of 1, 10 and 100 MB
-    python -m tests.bench_bodies --database-url postgresql://postgres@127.0.0.1/test --sizes 1,10
+    python -m benchmarks.bench_bodies                     # SQLite, lines of 1, 10 and 100 MB
+    python -m benchmarks.bench_bodies --database-url postgresql://postgres@127.0.0.1/test --sizes 1,10
 
 Starts an API-only service (no writer, no model server: no vocabulary check) that takes lines and JSON
 bodies of up to 128 MiB, then:

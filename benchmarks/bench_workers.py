@@ -1,7 +1,7 @@
 """Workers benchmark: does throughput grow with workers on one Postgres queue?
 
-    python -m tests.bench_workers                                  # 1 worker, then 3; 120 samples
-    python -m tests.bench_workers --workers 1 2 3 --samples 240 --prefill-us-per-token 4000
+    python -m benchmarks.bench_workers                             # 1 worker, then 3; 120 samples
+    python -m benchmarks.bench_workers --workers 1 2 3 --samples 240 --prefill-us-per-token 4000
 
 For each worker count N: N synthetic reference servers (each a model server of its own, prefill time
 simulated at --prefill-us-per-token, so the model is the bottleneck as on a real node), N `hsx worker`s
