@@ -1,7 +1,8 @@
-"""The deployment files under deploy/, read for their tests: YAML documents, JSON Schema validators built
-from the vendored schemas (deploy/schemas: nothing is downloaded), systemd units and environment files,
-and the checks every process they start must pass: its hsx command line parses, and each HSX_* variable
-it is given is a setting that command takes."""
+"""The deployment files under deploy/, read for their tests: YAML documents, their validation by the
+validators themselves (check-jsonschema's builtin Compose Specification schema, kubernetes-validate's
+strict Kubernetes schemas, both shipped in their wheels: nothing is downloaded), systemd units and
+environment files, and the checks every process they start must pass: its hsx command line parses, and
+each HSX_* variable it is given is a setting that command takes."""
 
 from __future__ import annotations
 
@@ -9,22 +10,23 @@ import argparse
 import contextlib
 import importlib
 import io
-import json
 import shlex
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import yaml
-from jsonschema import Draft202012Validator
-from referencing import Registry, Resource
+from check_jsonschema.formats import FormatOptions
+from check_jsonschema.regex_variants import RegexImplementation, RegexVariantName
+from check_jsonschema.schema_loader import BuiltinSchemaLoader
 
 from hsx.cli import COMMANDS, build_parser
 from hsx.config import Settings
 from hsx_sglang import settings as plugin_settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-SCHEMAS = DEPLOY / "schemas"
-K8S_SCHEMAS = SCHEMAS / "kubernetes-v1.32.0"
+# The oldest Kubernetes API the manifests are checked against: they use nothing newer.
+KUBERNETES_VERSION = "1.32.0"
 
 # What the hsx-sglang plugin reads from the model server's environment (HSX_SGLANG_BOOT_ID is its own).
 PLUGIN_ENV = {plugin_settings.ENV_DUMP_ROOT, plugin_settings.ENV_RID_PREFIX, plugin_settings.ENV_MAX_PENDING}
@@ -34,29 +36,29 @@ def yaml_documents(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc is not None]
 
 
-def _load(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def compose_validator() -> Draft202012Validator:
-    return Draft202012Validator(_load(SCHEMAS / "compose-spec.json"))
-
-
-def kubernetes_validator(obj: dict[str, Any]) -> Draft202012Validator:
-    """The strict schema of the object's kind and API version; its references into _definitions.json
-    resolve to the vendored copy, registered under that file's own $id."""
-    # Files are named <kind>-<group's first label>-<version>.json, or <kind>-<version>.json for the core group.
-    group, _, version = obj["apiVersion"].rpartition("/")
-    suffix = f"{group.split('.', 1)[0]}-{version}" if group else version
-    path = K8S_SCHEMAS / f"{obj['kind'].lower()}-{suffix}.json"
-    assert path.exists(), f"no vendored schema for {obj['kind']} {obj['apiVersion']} (deploy/schemas/README.md)"
-    definitions = _load(K8S_SCHEMAS / "_definitions.json")
-    registry = Registry().with_resource(definitions["$id"], Resource.from_contents(definitions))
-    return Draft202012Validator(_load(path), registry=registry)
-
-
-def schema_errors(validator: Draft202012Validator, doc: Any) -> list[str]:
+def compose_errors(doc: dict[str, Any]) -> list[str]:
+    """Every error of a Compose file, by the validator `check-jsonschema --builtin-schema
+    vendor.compose-spec` uses: built by its own loader, so with its format checks and its ECMA-262
+    regular expressions (what the specification's patterns are written in), not Python's."""
+    regex = RegexImplementation(RegexVariantName.default)
+    loader = BuiltinSchemaLoader("vendor.compose-spec")
+    validator = loader.get_validator(DEPLOY / "compose.yaml", doc, FormatOptions(regex_impl=regex), regex, False)
     return sorted(f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}" for e in validator.iter_errors(doc))
+
+
+def kubernetes_errors(obj: dict[str, Any]) -> list[str]:
+    """kubernetes-validate's strict check of one object (an unknown field is an error): nothing, or the
+    one error it reports (jsonschema's best match). A kind it has no schema for is an error too, where
+    its command line only warns: every object must be checked."""
+    try:
+        checked = kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return [f"{'/'.join(map(str, e.path)) or '(top)'}: {e.message}"]
+    except kubernetes_validate.SchemaNotFoundError as e:
+        return [e.message]
+    # Without that version's schemas it would quietly use the newest older ones it has.
+    assert KUBERNETES_VERSION.startswith(f"{checked}."), f"checked against {checked}, not {KUBERNETES_VERSION}"
+    return []
 
 
 # ---------------------------------------------------------------------------------------------------
