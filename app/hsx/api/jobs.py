@@ -24,16 +24,6 @@ from hsx.api.deps import (
 from hsx.api.downloads import FileDownload, none_match, wanted_ranges
 from hsx.api.params import JobCursor, JobId, NameQuery, SampleCursor, SampleIdPath, ShardName
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
-from hsx.api.schemas import (
-    JobOut,
-    JobPage,
-    JobStateValue,
-    SampleOut,
-    SamplePage,
-    SampleStateValue,
-    ShardList,
-    Throughput,
-)
 from hsx.api.views import job_out, sample_out, shard_out, throughput_out
 from hsx.db import repository as repo
 from hsx.extraction import Writer
@@ -43,6 +33,16 @@ from hsx.service import jobs as service
 from hsx.service.errors import InvalidInput, NotFound, UnsupportedBody
 from hsx.service.tensors import sample_tensors
 from hsx.states import TERMINAL_JOB_STATES
+from hsx.wire import (
+    JobOut,
+    JobPage,
+    JobStateValue,
+    SampleOut,
+    SamplePage,
+    SampleStateValue,
+    ShardList,
+    Throughput,
+)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

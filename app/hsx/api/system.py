@@ -11,11 +11,11 @@ from sqlalchemy import func, select, text
 
 from hsx.api.deps import ReadSessionDep, SettingsDep, WriterDep
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
-from hsx.api.schemas import Health, TokenInfo, WorkerList, WorkerOut, WriterOut, utc
 from hsx.config import parse_tokens
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, WriterRow
 from hsx.states import SampleState
+from hsx.wire import Health, TokenInfo, WorkerList, WorkerOut, WriterOut, utc
 
 router = APIRouter(tags=["health"])
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Sequence
 
-from hsx.api.schemas import (
+from hsx.db import repository as repo
+from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow
+from hsx.states import JobState
+from hsx.wire import (
     AttemptOut,
     Counts,
     JobOut,
@@ -16,9 +19,6 @@ from hsx.api.schemas import (
     Tokens,
     utc,
 )
-from hsx.db import repository as repo
-from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow
-from hsx.states import JobState
 
 
 def job_out(job: JobRow, waiting: str | None = None) -> JobOut:

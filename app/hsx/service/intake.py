@@ -20,7 +20,6 @@ import numpy as np
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from hsx.api.schemas import MAX_TOKEN_ID, SampleIn, parse_body
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
@@ -28,6 +27,7 @@ from hsx.names import shown
 from hsx.service.errors import InsufficientStorage, InvalidInput, OutsideInputRoot
 from hsx.service.lines import LineSplitter, LineTooLongError
 from hsx.service.spool import SampleSpool
+from hsx.wire import MAX_TOKEN_ID, SampleIn, parse_body
 
 if TYPE_CHECKING:
     from _hashlib import HASH

@@ -21,8 +21,8 @@ from typing import Iterator
 
 from pydantic import ValidationError
 
-from hsx.api.schemas import JobCreate, parse_body
 from hsx.service.errors import InvalidInput
+from hsx.wire import JobCreate, parse_body
 
 Body = bytes | bytearray
 

@@ -1,4 +1,8 @@
-"""Request and response bodies of the HTTP API."""
+"""Request and response bodies of the HTTP API: the wire models.
+
+The bottom floor shared by the routes (hsx.api), what they call (hsx.service) and the client (hsx.sdk), so
+that each of them reads one definition of every body and none imports another for it. It imports only
+hsx.states, hsx.names and hsx.layers."""
 
 from __future__ import annotations
 
