@@ -24,14 +24,14 @@ from hsx.api.deps import (
 from hsx.api.downloads import FileDownload, none_match, wanted_ranges
 from hsx.api.params import JobCursor, JobId, NameQuery, SampleCursor, SampleIdPath, ShardName
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
-from hsx.api.views import job_out, sample_out, shard_out, throughput_out
-from hsx.db import repository as repo
 from hsx.extraction import Writer
 from hsx.layers import check_layers, parse_layers
 from hsx.names import shown
 from hsx.service import jobs as service
+from hsx.service import queries
 from hsx.service.errors import InvalidInput, NotFound, UnsupportedBody
 from hsx.service.tensors import sample_tensors
+from hsx.service.views import job_out
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.wire import (
     JobOut,
@@ -166,14 +166,7 @@ def list_jobs(
     after: JobCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> JobPage:
-    rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
-    page = rows[:limit]
-    waiting = repo.waiting(session)
-    return JobPage(
-        data=[job_out(j, waiting.reason(j)) for j in page],
-        has_more=len(rows) > limit,
-        next_after=page[-1].id if len(rows) > limit else None,
-    )
+    return queries.job_page(session=session, state=state, after=after, limit=limit)
 
 
 @router.api_route(
@@ -184,8 +177,7 @@ def list_jobs(
     summary="A job's state and progress",
 )
 def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
-    job = service.get_job(session=session, job_id=job_id)
-    return job_out(job, repo.waiting(session).reason(job))
+    return queries.job_view(session=session, job_id=job_id)
 
 
 @router.get(
@@ -203,8 +195,7 @@ def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
 async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep):
     def load() -> JobOut | None:
         with sessions() as s:
-            job = repo.get_job(s, job_id)
-            return job_out(job, repo.waiting(s).reason(job)) if job else None
+            return queries.job_view_if_any(session=s, job_id=job_id)
 
     first = await run_in_threadpool(load)
     if first is None:
@@ -244,9 +235,7 @@ def get_throughput(
     session: ReadSessionDep,
     points: Annotated[int, Query(ge=1, le=1000, description="the most windows to return")] = 120,
 ) -> Throughput:
-    job = service.get_job(session=session, job_id=job_id)
-    width, history = repo.job_throughput(session, job, points=points, now=time.time())
-    return throughput_out(job.id, width, history)
+    return queries.job_throughput(session=session, job_id=job_id, points=points, now=time.time())
 
 
 @router.api_route(
@@ -263,20 +252,7 @@ def list_samples(
     after: SampleCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> SamplePage:
-    service.get_job(session=session, job_id=job_id)
-    after_idx = None
-    if after:  # an empty cursor, which the document allows, is the first page
-        anchor = repo.get_sample(session, job_id, after)
-        if anchor is None:
-            raise InvalidInput([{"field": "after", "message": f"no sample {after!r} in this job to continue after"}])
-        after_idx = anchor.idx
-    rows = repo.list_samples(session, job_id, state=state, after_idx=after_idx, limit=limit + 1)
-    page = rows[:limit]
-    return SamplePage(
-        data=[sample_out(s) for s in page],
-        has_more=len(rows) > limit,
-        next_after=page[-1].sample_id if len(rows) > limit else None,
-    )
+    return queries.sample_page(session=session, job_id=job_id, state=state, after=after, limit=limit)
 
 
 # Sample ids may contain "/": they are the last, path-typed part of every URL that names one.
@@ -312,8 +288,7 @@ def get_sample_tensors(
     summary="One sample, with every attempt and its outcome",
 )
 def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) -> SampleOut:
-    sample = service.get_sample(session=session, job_id=job_id, sample_id=sample_id)
-    return sample_out(sample, repo.sample_attempts(session, sample.pk))
+    return queries.sample_view(session=session, job_id=job_id, sample_id=sample_id)
 
 
 @router.api_route(
@@ -335,8 +310,7 @@ def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) 
     summary="The shards written so far, without the manifest's list of samples",
 )
 def list_shards(job_id: JobId, session: ReadSessionDep) -> ShardList:
-    service.get_job(session=session, job_id=job_id)
-    return ShardList(data=[shard_out(s) for s in repo.job_shards(session, job_id)])
+    return queries.shard_list(session=session, job_id=job_id)
 
 
 @router.api_route(

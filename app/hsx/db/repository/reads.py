@@ -1,8 +1,9 @@
-"""Read-only queries: jobs, samples, attempts and shards, one or a page at a time."""
+"""Read-only queries: jobs, samples, attempts and shards, one or a page at a time, counts by state, and
+the round trip that says whether the database answers."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow
@@ -86,3 +87,20 @@ def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
             return
         yield from rows
         last = rows[-1].idx
+
+
+def ping(session: Session) -> None:
+    """A round trip to the database; raises what the driver raises when it cannot answer."""
+    session.execute(text("SELECT 1"))
+
+
+def jobs_by_state(session: Session) -> list[tuple[str, int]]:
+    """How many jobs are in each state (a state no job is in is left out)."""
+    rows = session.execute(select(JobRow.state, func.count()).group_by(JobRow.state)).all()
+    return [(state, n) for state, n in rows]
+
+
+def samples_by_state(session: Session) -> dict[SampleState, int]:
+    """How many samples are in each state over all jobs, summed from the jobs' counters."""
+    sums = session.execute(select(*[func.coalesce(func.sum(getattr(JobRow, f"n_{s}")), 0) for s in SampleState])).one()
+    return dict(zip(SampleState, sums, strict=True))
