@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, cast
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -53,8 +53,25 @@ class Fault:
     shard: str | None = None
     sample: str | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str]:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class Summary(TypedDict, total=False):
+    """What a verification counted; every fault is counted, though at most max_faults are listed."""
+
+    shards: int
+    shards_ok: int
+    samples: int
+    samples_ok: int
+    samples_read: int
+    tokens: int
+    bytes: int
+    checked_hashes: bool
+    checked_values: bool
+    faults: int
+    faults_by_kind: dict[str, int]
+    faults_listed: int
 
 
 @dataclass
@@ -64,13 +81,13 @@ class VerifyReport:
     shard_faults: list[Fault] = field(default_factory=list)
     sample_faults: list[Fault] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
+    summary: Summary = field(default_factory=lambda: Summary())
 
     @property
     def ok(self) -> bool:
         return not self.summary.get("faults", 0)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "job_dir": self.job_dir,
             "ok": self.ok,
@@ -114,7 +131,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _parse(model: type[_Entry], doc: dict) -> tuple[_Entry | None, list[str]]:
+def _parse(model: type[_Entry], doc: dict[str, Any]) -> tuple[_Entry | None, list[str]]:
     """A manifest entry as `model`, or the fields that keep it from being one."""
     try:
         return model.model_validate(doc), []
@@ -260,7 +277,7 @@ def verify_job(
     job_dir, manifest_path = locate(job_dir)
     report = VerifyReport(str(job_dir))
     faults = _Faults(report, max_faults)
-    summary: dict[str, Any] = {
+    summary: Summary = {
         "shards": 0,
         "shards_ok": 0,
         "samples": 0,
@@ -320,7 +337,7 @@ class _Check:
     job_dir: Path
     manifest: ManifestHeader
     faults: _Faults
-    summary: dict[str, Any]
+    summary: Summary
     check_hashes: bool
     check_values: bool
     chunk_rows: int

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
@@ -47,7 +48,7 @@ from hsx.wire import (
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
-def _problems(*codes: int) -> dict:
+def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {
         400: "Malformed Range header",
         401: "Missing or unknown token",
@@ -192,7 +193,7 @@ def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
     response_class=StreamingResponse,
     summary="Live progress as server-sent events",
 )
-async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep):
+async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep) -> StreamingResponse:
     def load() -> JobOut | None:
         with sessions() as s:
             return queries.job_view_if_any(session=s, job_id=job_id)
@@ -297,7 +298,7 @@ def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) 
     responses=_problems(404, 410),
     summary="The job's manifest (GET or HEAD): model, layers, shards (with sha256) and where each sample lies",
 )
-def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
+def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
     manifest = service.job_manifest(session=session, job_id=job_id, output_root=settings.output_root)
     return manifest.model_dump(mode="json")
 
@@ -325,7 +326,9 @@ def list_shards(job_id: JobId, session: ReadSessionDep) -> ShardList:
     response_class=FileResponse,
     summary="Download one shard (GET or HEAD); supports Range, If-Range, ETag (its sha256) and If-None-Match",
 )
-def get_shard(job_id: JobId, name: ShardName, session: ReadSessionDep, settings: SettingsDep, request: Request):
+def get_shard(
+    job_id: JobId, name: ShardName, session: ReadSessionDep, settings: SettingsDep, request: Request
+) -> Response:
     shard, path, _ = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
     etag = f'"{shard.sha256}"'
     headers = {"ETag": etag, "X-Content-SHA256": shard.sha256, "Cache-Control": "private, max-age=0"}
@@ -391,5 +394,5 @@ def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete
     description="A 409 while the job is not finished; a 410 when its folder (manifest and shards) is no longer "
     "in the output root.",
 )
-def verify(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
+def verify(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
     return service.verify_job(session=session, job_id=job_id, output_root=settings.output_root)

@@ -28,11 +28,10 @@ from hsx.wire import WriterOut as Writer
 TERMINAL_STATES = TERMINAL_JOB_STATES
 
 __all__ = [
+    "TERMINAL_STATES",
     "Attempt",
     "Counts",
     "Health",
-    "Worker",
-    "WorkerList",
     "Job",
     "JobPage",
     "JobState",
@@ -44,10 +43,11 @@ __all__ = [
     "SampleState",
     "Shard",
     "ShardList",
-    "TERMINAL_STATES",
     "Throughput",
     "ThroughputPoint",
     "TokenInfo",
     "Tokens",
+    "Worker",
+    "WorkerList",
     "Writer",
 ]

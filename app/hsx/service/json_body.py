@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 from pydantic import ValidationError
 
@@ -97,7 +97,7 @@ def _members(body: Body) -> list[tuple[str, tuple[int, int]]]:
         pos = _skip_ws(body, pos + 1)
 
 
-def _at_end(body: Body, pos: int, members: list) -> list:
+def _at_end(body: Body, pos: int, members: list[tuple[str, tuple[int, int]]]) -> list[tuple[str, tuple[int, int]]]:
     pos = _skip_ws(body, pos)
     if pos != len(body):
         raise _Malformed(pos, "unexpected data after the object")

@@ -3,8 +3,8 @@ shards, throughput, writers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Sequence
 
 from hsx.db import repository as repo
 from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow

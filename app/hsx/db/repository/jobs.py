@@ -109,10 +109,9 @@ class JobBuilder:
         if conn.dialect.name == "postgresql":
             # COPY is psycopg's, not the DB-API's; make_engine always picks psycopg for Postgres.
             driver = cast("psycopg.Connection[Any]", conn.connection.driver_connection)
-            with driver.cursor() as cursor:
-                with cursor.copy(f"COPY samples ({columns}) FROM STDIN") as copy:
-                    for row in rows:
-                        copy.write_row(row)
+            with driver.cursor() as cursor, cursor.copy(f"COPY samples ({columns}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
         else:
             marks = ", ".join("?" * len(_SAMPLE_INSERT_COLUMNS))
             conn.exec_driver_sql(f"INSERT INTO samples ({columns}) VALUES ({marks})", rows)
@@ -225,7 +224,7 @@ def delete_job(session: Session, job_id: str) -> bool | None:
     return True
 
 
-def set_job_model_info(session: Session, job_id: str, info: dict, serves: Serves) -> dict:
+def set_job_model_info(session: Session, job_id: str, info: dict[str, Any], serves: Serves) -> dict[str, Any]:
     """Record the model the job's first dump came from, and from then on which workers may claim
     its samples (those serving that model and those layers); return what is recorded."""
     session.execute(

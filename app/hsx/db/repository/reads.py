@@ -3,7 +3,9 @@ the round trip that says whether the database answers."""
 
 from __future__ import annotations
 
-from sqlalchemy import func, select, text
+from collections.abc import Iterator
+
+from sqlalchemy import Row, func, select, text
 from sqlalchemy.orm import Session
 
 from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow
@@ -66,7 +68,9 @@ def get_shard(session: Session, job_id: str, name: str) -> ShardRow | None:
     ).scalar_one_or_none()
 
 
-def iter_stored_samples(session: Session, job_id: str, batch: int = 10000):
+def iter_stored_samples(
+    session: Session, job_id: str, batch: int = 10000
+) -> Iterator[Row[int, str, str | None, int | None, int, str | None]]:
     """(sample_id, shard, offset, num_tokens, identity) of every stored sample, in job order, in batches."""
     last = -1
     while True:

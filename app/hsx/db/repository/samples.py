@@ -4,10 +4,11 @@ it left behind when it stopped."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, case, exists, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, Select, Update, bindparam, case, exists, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import AttemptRow, SampleRow
@@ -31,7 +32,7 @@ class Claimed:
     try_number: int  # unique per claim of this sample: names its request and staging folder
     attempt_pk: int
     job_layers: list[int] | None
-    job_model_info: dict | None
+    job_model_info: dict[str, Any] | None
     queued_left: int = 0  # the job's samples still queued after this claim
 
 
@@ -157,13 +158,13 @@ def _claim(dialect: str, by_layers: bool, by_model: bool) -> _ClaimStatements:
     return _ClaimStatements(job, sample, counters, attempt)
 
 
-def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str | None = None, **fields) -> None:
+def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str | None = None, **fields: Any) -> None:
     params = {"p_pk": attempt_pk, "p_outcome": outcome, "p_reason": reason, "p_now": utcnow()}
     session.execute(_attempt_close(tuple(sorted(fields))), params | {f"v_{k}": v for k, v in fields.items()})
 
 
 @functools.cache
-def _attempt_close(columns: tuple[str, ...]):
+def _attempt_close(columns: tuple[str, ...]) -> Update:
     return (
         update(_attempts)
         .where(_attempts.c.pk == bindparam("p_pk"))
@@ -224,7 +225,7 @@ def queued_left(session: Session, job_id: str) -> int:
 
 
 @functools.cache
-def _queued_count():
+def _queued_count() -> Select[Any]:
     return select(_jobs.c.n_queued).where(_jobs.c.id == bindparam("p_job"))
 
 
@@ -270,13 +271,17 @@ def release_interrupted(session: Session, c: Claimed, *, reason: str) -> None:
     )
 
 
-def _writer_or_slots(writer: str):
+def _writer_or_slots(writer: str) -> ColumnElement[bool]:
     """The writer itself or any of its in-flight slots ("<writer>#<n>")."""
     return or_(SampleRow.writer == writer, SampleRow.writer.startswith(writer + "#", autoescape=True))
 
 
 def recover_writer(
-    session: Session, writer: str, staged_exists, *, why: str = "service stopped during the attempt"
+    session: Session,
+    writer: str,
+    staged_exists: Callable[[str], bool],
+    *,
+    why: str = "service stopped during the attempt",
 ) -> tuple[int, int]:
     """At writer start: its running samples were interrupted by a crash; staged ones keep their
     place only if their staged files survived. Returns (requeued, kept staged)."""

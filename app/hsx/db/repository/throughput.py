@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import bindparam, func, insert, select, update
+from sqlalchemy import Insert, Update, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import JobRow, ThroughputRow
@@ -28,7 +28,7 @@ def _count_throughput(session: Session, job_id: str, *, samples: int, tokens: in
 
 
 @functools.cache
-def _throughput_count():
+def _throughput_count() -> tuple[Update, Insert]:
     """(add to an existing bucket, start a new one)."""
     row = (_throughput.c.job_id == bindparam("p_job"), _throughput.c.bucket_start == bindparam("p_start"))
     added = (

@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from sqlalchemy import ColumnElement, bindparam, case, func, select, update
+from sqlalchemy import ColumnElement, Select, Update, bindparam, case, func, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.dml import ReturningUpdate
 
 from hsx.db.models import JobRow, SampleRow
 from hsx.db.repository._base import _jobs, _now_param, _rowcount, _samples, utcnow
@@ -39,7 +40,7 @@ def _transition(
     pks: list[int] | None,
     src: SampleState,
     dst: SampleState,
-    values: dict,
+    values: dict[str, Any],
     *,
     through_idx: int | None = None,
     per_sample: dict[str, dict[int, Any]] | None = None,
@@ -95,13 +96,13 @@ def _transition(
 
 
 @functools.cache
-def _job_lock():
+def _job_lock() -> Select[Any]:
     """The job row's lock (FOR UPDATE on Postgres; SQLite serialises writers by itself): see _transition."""
     return select(_jobs.c.id).where(_jobs.c.id == bindparam("p_job")).with_for_update()
 
 
 @functools.cache
-def _sample_move(columns: tuple[str, ...]):
+def _sample_move(columns: tuple[str, ...]) -> ReturningUpdate[Any]:
     """Move samples by pk from one state to another, setting `columns` (bound as v_<column>)."""
     return (
         update(_samples)
@@ -112,7 +113,7 @@ def _sample_move(columns: tuple[str, ...]):
 
 
 @functools.cache
-def _job_counters(src: SampleState, dst: SampleState):
+def _job_counters(src: SampleState, dst: SampleState) -> Update:
     """The job's counters follow p_rc samples (of p_tokens tokens) from `src` to `dst`."""
     src_col, dst_col = _jobs.c[f"n_{src}"], _jobs.c[f"n_{dst}"]
     changes = {src_col: src_col - bindparam("p_rc"), dst_col: dst_col + bindparam("p_rc")}

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import Select, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import WriterRow
@@ -30,7 +32,14 @@ def _lease_until(lease_s: float) -> datetime:
     return utcnow() + timedelta(seconds=lease_s)
 
 
-def register_writer(session: Session, identity: str, *, lease_s: float, started_at: datetime, staged_exists) -> int:
+def register_writer(
+    session: Session,
+    identity: str,
+    *,
+    lease_s: float,
+    started_at: datetime,
+    staged_exists: Callable[[str], bool],
+) -> int:
     """Start (or restart) a writer's lease and return its new fencing token.
 
     In the same transaction, whatever the writer left under an earlier token is settled as at a
@@ -64,7 +73,7 @@ def check_lease(session: Session, identity: str, epoch: int) -> None:
 
 
 @functools.cache
-def _lease_check(dialect: str):
+def _lease_check(dialect: str) -> Select[Any]:
     q = select(_writers.c.epoch).where(
         _writers.c.identity == bindparam("p_identity"),
         _writers.c.epoch == bindparam("p_epoch"),
@@ -81,8 +90,8 @@ def renew_lease(
     lease_s: float,
     state: str,
     reason: str | None,
-    server: dict | None,
-    stats: dict | None,
+    server: dict[str, Any] | None,
+    stats: dict[str, Any] | None,
 ) -> None:
     """The heartbeat: extend the lease and report the writer's status; LeaseLost when it is gone."""
     renewed = session.execute(
