@@ -86,6 +86,10 @@ CREATE_BODY = {
 }
 
 
+# The job's own URL, relative as every Location the service sends (see hsx.api.routing).
+CREATED_HEADERS = {"headers": {"Location": {"description": "the job's URL", "schema": {"type": "string"}}}}
+
+
 # --- creation -------------------------------------------------------------------------------
 
 
@@ -93,7 +97,7 @@ CREATE_BODY = {
     "",
     status_code=202,
     response_model=JobOut,
-    responses=_problems(413, 415, 507),
+    responses={**_problems(413, 415, 507), 202: CREATED_HEADERS},
     openapi_extra=CREATE_BODY,
     summary="Create an extraction job",
     description="Samples inline (`samples`), from a JSONL file under the service's input root "
@@ -104,6 +108,7 @@ CREATE_BODY = {
 )
 async def create_job(
     request: Request,
+    response: Response,
     settings: SettingsDep,
     sessions: SessionsDep,
     backend: BackendDep,
@@ -137,6 +142,7 @@ async def create_job(
                 idempotency_key=idempotency_key,
             )
     _wake(writer)
+    response.headers["Location"] = request.scope.get("root_path", "") + f"/v1/jobs/{job.id}"
     return job_out(job)
 
 
