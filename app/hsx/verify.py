@@ -81,7 +81,7 @@ class VerifyReport:
     shard_faults: list[Fault] = field(default_factory=list)
     sample_faults: list[Fault] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    summary: Summary = field(default_factory=lambda: Summary())
+    summary: Summary = field(default_factory=Summary)
 
     @property
     def ok(self) -> bool:
