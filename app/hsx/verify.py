@@ -21,14 +21,16 @@ Faults are listed per shard and per sample (at most `max_faults`; `summary` coun
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, cast
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -51,8 +53,25 @@ class Fault:
     shard: str | None = None
     sample: str | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str]:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class Summary(TypedDict, total=False):
+    """What a verification counted; every fault is counted, though at most max_faults are listed."""
+
+    shards: int
+    shards_ok: int
+    samples: int
+    samples_ok: int
+    samples_read: int
+    tokens: int
+    bytes: int
+    checked_hashes: bool
+    checked_values: bool
+    faults: int
+    faults_by_kind: dict[str, int]
+    faults_listed: int
 
 
 @dataclass
@@ -62,13 +81,13 @@ class VerifyReport:
     shard_faults: list[Fault] = field(default_factory=list)
     sample_faults: list[Fault] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
+    summary: Summary = field(default_factory=Summary)
 
     @property
     def ok(self) -> bool:
         return not self.summary.get("faults", 0)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "job_dir": self.job_dir,
             "ok": self.ok,
@@ -112,7 +131,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _parse(model: type[_Entry], doc: dict) -> tuple[_Entry | None, list[str]]:
+def _parse(model: type[_Entry], doc: dict[str, Any]) -> tuple[_Entry | None, list[str]]:
     """A manifest entry as `model`, or the fields that keep it from being one."""
     try:
         return model.model_validate(doc), []
@@ -176,8 +195,8 @@ def _shard_metadata(path: Path, name: str, placed: list[ManifestSample], faults:
         ids, offsets = meta.get("sample_ids"), meta.get("offsets")
         if ids is None or offsets is None:
             return
-        in_shard = dict(zip(json.loads(ids), json.loads(offsets)))
-    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is a fault, not a crash
+        in_shard = dict(zip(json.loads(ids), json.loads(offsets), strict=False))
+    except Exception as exc:  # any unreadable metadata is a fault, not a crash
         faults.shard(name, "metadata_invalid", f"unreadable __metadata__: {exc}")
         return
     for s in placed:
@@ -258,7 +277,7 @@ def verify_job(
     job_dir, manifest_path = locate(job_dir)
     report = VerifyReport(str(job_dir))
     faults = _Faults(report, max_faults)
-    summary: dict[str, Any] = {
+    summary: Summary = {
         "shards": 0,
         "shards_ok": 0,
         "samples": 0,
@@ -270,31 +289,23 @@ def verify_job(
         "checked_values": check_values,
     }
     report.summary = summary
-    try:
-        doc = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        faults.job("manifest_missing", f"{manifest_path} does not exist")
-        doc = None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        faults.job("manifest_unreadable", f"{manifest_path}: {exc}")
-        doc = None
+    doc = _read_manifest(manifest_path, faults)
     placement: dict[str, str | None] = {}
     problems = manifest_problems(doc) if doc is not None else []
     for problem in problems:
         faults.job("manifest_invalid", problem)
     if doc is not None and not problems:
-        header = ManifestHeader.model_validate(doc)
-        placement = _verify_contents(
+        check = _Check(
             job_dir,
-            header,
-            doc["shards"],
-            doc["samples"],
+            ManifestHeader.model_validate(doc),
             faults,
             summary,
-            check_hashes,
-            check_values,
-            max(1, chunk_rows),
+            check_hashes=check_hashes,
+            check_values=check_values,
+            chunk_rows=max(1, chunk_rows),
         )
+        _verify_contents(check, doc["shards"], doc["samples"])
+        placement = check.placement
     summary["faults"] = sum(faults.kinds.values())
     summary["faults_by_kind"] = dict(sorted(faults.kinds.items()))
     summary["faults_listed"] = len(report.job_faults) + len(report.shard_faults) + len(report.sample_faults)
@@ -306,142 +317,196 @@ def verify_job(
     return report
 
 
-def _verify_contents(
-    job_dir: Path,
-    m: ManifestHeader,
-    shard_docs: list[dict],
-    sample_docs: list[dict],
-    faults: _Faults,
-    summary: dict,
-    check_hashes: bool,
-    check_values: bool,
-    chunk_rows: int,
-) -> dict[str, str | None]:
-    """Check shards and samples; return each sample id's shard (for counting the sound ones)."""
-    hs = m.hidden_states()
-    shards: dict[str, ManifestShard | None] = {}  # None: listed, but its entry is not valid
-    readable: dict[str, dict[str, TensorSpan]] = {}
-    summary["shards"] = len(shard_docs)
+def _read_manifest(manifest_path: Path, faults: _Faults) -> dict[str, Any] | None:
+    """The manifest's JSON document, or None (a job fault says why)."""
+    try:
+        doc = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        faults.job("manifest_missing", f"{manifest_path} does not exist")
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        faults.job("manifest_unreadable", f"{manifest_path}: {exc}")
+        return None
+    return cast("dict[str, Any]", doc)  # manifest_problems says what a document that is not an object lacks
+
+
+@dataclass
+class _Check:
+    """One folder's check against its manifest: what it is asked to do, and what it has found so far."""
+
+    job_dir: Path
+    manifest: ManifestHeader
+    faults: _Faults
+    summary: Summary
+    check_hashes: bool
+    check_values: bool
+    chunk_rows: int
+    shards: dict[str, ManifestShard | None] = field(default_factory=dict)  # None: listed, but its entry is not valid
+    readable: dict[str, dict[str, TensorSpan]] = field(default_factory=dict)  # shards whose rows can be read
+    by_shard: dict[str, list[ManifestSample]] = field(default_factory=dict)  # the samples placed in each shard
+    placement: dict[str, str | None] = field(default_factory=dict)  # each sample id's shard, to count sound ones
+    seen: set[str] = field(default_factory=set)  # sample ids met so far
+
+    @cached_property
+    def hidden_states(self) -> HiddenStates:
+        return self.manifest.hidden_states()
+
+
+def _verify_contents(check: _Check, shard_docs: list[dict[str, Any]], sample_docs: list[dict[str, Any]]) -> None:
+    """Check shards and samples; `check.placement` is each sample id's shard afterwards."""
+    check.summary["shards"] = len(shard_docs)
     for doc in shard_docs:
-        entry, bad = _parse(ManifestShard, doc)
-        name = doc.get("name")
-        if "name" in bad or not isinstance(name, str):
-            faults.job("manifest_invalid", f"shard name {name!r} is not a file name")
-            continue
-        if name in shards:
-            faults.shard(name, "duplicate_shard", "listed twice in the manifest")
-            continue
-        shards[name] = entry
-        if entry is None:
-            faults.shard(name, "manifest_invalid", f"entry lacks a valid {', '.join(bad)}")
-            continue
-        path = job_dir / name
-        if not path.is_file():
-            faults.shard(name, "shard_missing", f"{path} does not exist")
-            continue
-        size = path.stat().st_size
-        summary["bytes"] += size
-        if size != entry.bytes:
-            faults.shard(name, "size_mismatch", f"{size} bytes on disk, the manifest records {entry.bytes}")
-        if check_hashes:
-            digest = _sha256(path)
-            if digest != entry.sha256:
-                faults.shard(name, "sha256_mismatch", f"sha256 {digest}, the manifest records {entry.sha256}")
-        spans = _shard_tensors(path, entry, hs, faults)
-        if spans is not None:
-            readable[name] = spans
-
-    summary["samples"] = len(sample_docs)
-    by_shard: dict[str, list[ManifestSample]] = {}
-    seen: set[str] = set()
-    placement: dict[str, str | None] = {}
+        _check_shard_entry(check, doc)
+    check.summary["samples"] = len(sample_docs)
     for doc in sample_docs:
-        sample, bad = _parse(ManifestSample, doc)
-        sid, shard = doc.get("id"), doc.get("shard")
-        label = str(sid)
-        placement.setdefault(label, shard if isinstance(shard, str) else None)
-        if "id" in bad or not isinstance(sid, str):
-            faults.sample(label, None, "manifest_invalid", f"sample id {sid!r} is not a string")
-            continue
-        if sid in seen:
-            faults.sample(label, shard, "duplicate_sample_id", "sample id listed twice")
-            continue
-        seen.add(sid)
-        if not isinstance(shard, str) or shard not in shards:
-            faults.sample(
-                label,
-                shard if isinstance(shard, str) else None,
-                "unknown_shard",
-                f"its shard {shard!r} is not among the manifest's shards",
-            )
-            continue
-        if sample is None:
-            faults.sample(
-                label,
-                shard,
-                "manifest_invalid",
-                f"offset {doc.get('offset')!r} / num_tokens {doc.get('num_tokens')!r} are not valid",
-            )
-            continue
-        summary["tokens"] += sample.num_tokens
-        entry = shards[shard]
-        if entry is not None and sample.offset + sample.num_tokens > entry.num_tokens:
-            faults.sample(
-                label,
-                shard,
-                "out_of_range",
-                f"rows {sample.offset}..{sample.offset + sample.num_tokens} end past the shard's "
-                f"{entry.num_tokens} rows",
-            )
-            continue
-        by_shard.setdefault(shard, []).append(sample)
+        _place_sample(check, doc)
+    _check_overlaps(check)
+    _check_shard_counts(check)
+    if check.manifest.num_stored != len(sample_docs):
+        check.faults.job(
+            "count_mismatch", f"num_stored is {check.manifest.num_stored} but {len(sample_docs)} samples are listed"
+        )
+    _warn_unlisted(check.job_dir, set(check.shards), check.faults.report)
+    if check.check_values:
+        _check_values(check)
 
-    for name, placed in by_shard.items():
+
+def _check_shard_entry(check: _Check, doc: dict[str, Any]) -> None:
+    """One entry of the manifest's shards, and its file if the entry is valid."""
+    faults = check.faults
+    entry, bad = _parse(ManifestShard, doc)
+    name = doc.get("name")
+    if "name" in bad or not isinstance(name, str):
+        faults.job("manifest_invalid", f"shard name {name!r} is not a file name")
+        return
+    if name in check.shards:
+        faults.shard(name, "duplicate_shard", "listed twice in the manifest")
+        return
+    check.shards[name] = entry
+    if entry is None:
+        faults.shard(name, "manifest_invalid", f"entry lacks a valid {', '.join(bad)}")
+        return
+    _check_shard_file(check, name, entry)
+
+
+def _check_shard_file(check: _Check, name: str, entry: ManifestShard) -> None:
+    """The shard's file: there, of the recorded size and sha256, with the tensors the manifest implies."""
+    faults = check.faults
+    path = check.job_dir / name
+    if not path.is_file():
+        faults.shard(name, "shard_missing", f"{path} does not exist")
+        return
+    size = path.stat().st_size
+    check.summary["bytes"] += size
+    if size != entry.bytes:
+        faults.shard(name, "size_mismatch", f"{size} bytes on disk, the manifest records {entry.bytes}")
+    if check.check_hashes:
+        digest = _sha256(path)
+        if digest != entry.sha256:
+            faults.shard(name, "sha256_mismatch", f"sha256 {digest}, the manifest records {entry.sha256}")
+    spans = _shard_tensors(path, entry, check.hidden_states, faults)
+    if spans is not None:
+        check.readable[name] = spans
+
+
+def _place_sample(check: _Check, doc: dict[str, Any]) -> None:
+    """One entry of the manifest's samples: valid, unique, in a listed shard and inside its rows."""
+    faults = check.faults
+    sample, bad = _parse(ManifestSample, doc)
+    sid, shard = doc.get("id"), doc.get("shard")
+    label = str(sid)
+    check.placement.setdefault(label, shard if isinstance(shard, str) else None)
+    if "id" in bad or not isinstance(sid, str):
+        faults.sample(label, None, "manifest_invalid", f"sample id {sid!r} is not a string")
+        return
+    if sid in check.seen:
+        faults.sample(label, shard, "duplicate_sample_id", "sample id listed twice")
+        return
+    check.seen.add(sid)
+    if not isinstance(shard, str) or shard not in check.shards:
+        faults.sample(
+            label,
+            shard if isinstance(shard, str) else None,
+            "unknown_shard",
+            f"its shard {shard!r} is not among the manifest's shards",
+        )
+        return
+    if sample is None:
+        faults.sample(
+            label,
+            shard,
+            "manifest_invalid",
+            f"offset {doc.get('offset')!r} / num_tokens {doc.get('num_tokens')!r} are not valid",
+        )
+        return
+    check.summary["tokens"] += sample.num_tokens
+    entry = check.shards[shard]
+    if entry is not None and sample.offset + sample.num_tokens > entry.num_tokens:
+        faults.sample(
+            label,
+            shard,
+            "out_of_range",
+            f"rows {sample.offset}..{sample.offset + sample.num_tokens} end past the shard's {entry.num_tokens} rows",
+        )
+        return
+    check.by_shard.setdefault(shard, []).append(sample)
+
+
+def _check_overlaps(check: _Check) -> None:
+    """No two samples of a shard share a row."""
+    for name, placed in check.by_shard.items():
         placed.sort(key=lambda s: (s.offset, s.num_tokens))
-        for a, b in zip(placed, placed[1:]):
+        for a, b in itertools.pairwise(placed):
             if b.offset < a.offset + a.num_tokens:
-                faults.sample(
+                check.faults.sample(
                     b.id,
                     name,
                     "overlap",
                     f"rows {b.offset}..{b.offset + b.num_tokens} "
                     f"overlap sample {a.id!r} ({a.offset}..{a.offset + a.num_tokens})",
                 )
-    for name, listed in shards.items():
+
+
+def _check_shard_counts(check: _Check) -> None:
+    """Each valid shard entry's num_samples and num_tokens are what the samples placed in it add up to."""
+    for name, listed in check.shards.items():
         if listed is None:
             continue
-        placed = by_shard.get(name, [])
+        placed = check.by_shard.get(name, [])
         n_tokens = sum(s.num_tokens for s in placed)
         if len(placed) != listed.num_samples:
-            faults.shard(
+            check.faults.shard(
                 name,
                 "count_mismatch",
                 f"the manifest places {len(placed)} samples in it, its entry records {listed.num_samples}",
             )
         if n_tokens != listed.num_tokens:
-            faults.shard(
+            check.faults.shard(
                 name, "count_mismatch", f"its samples cover {n_tokens} rows, its entry records {listed.num_tokens}"
             )
-    if m.num_stored != len(sample_docs):
-        faults.job("count_mismatch", f"num_stored is {m.num_stored} but {len(sample_docs)} samples are listed")
 
-    declared = (m.model or {}).get("vocab_size")
-    vocab = declared if isinstance(declared, int) and not isinstance(declared, bool) and declared >= 1 else None
-    _warn_unlisted(job_dir, set(shards), faults.report)
-    if not check_values:
-        return placement
-    for name in sorted(readable):
-        path = job_dir / name
-        _shard_metadata(path, name, by_shard.get(name, []), faults)
-        with ShardRows(path, readable[name]) as rows:
-            for s in by_shard.get(name, []):
+
+def _declared_vocab(manifest: ManifestHeader) -> int | None:
+    """The model's vocabulary size, where the manifest records a usable one."""
+    declared = (manifest.model or {}).get("vocab_size")
+    return declared if isinstance(declared, int) and not isinstance(declared, bool) and declared >= 1 else None
+
+
+def _check_values(check: _Check) -> None:
+    """Every placed sample's rows, read from each readable shard."""
+    vocab = _declared_vocab(check.manifest)
+    for name in sorted(check.readable):
+        path = check.job_dir / name
+        placed = check.by_shard.get(name, [])
+        _shard_metadata(path, name, placed, check.faults)
+        with ShardRows(path, check.readable[name]) as rows:
+            for s in placed:
                 try:
-                    _check_rows(rows, name, s, hs, vocab, chunk_rows, faults)
-                except Exception as exc:  # noqa: BLE001 - a read that fails is this sample's fault, not a crash
-                    faults.sample(s.id, name, "unreadable", f"reading its rows failed: {exc}")
+                    _check_rows(rows, name, s, check.hidden_states, vocab, check.chunk_rows, check.faults)
+                except Exception as exc:  # a read that fails is this sample's fault, not a crash
+                    check.faults.sample(s.id, name, "unreadable", f"reading its rows failed: {exc}")
                     continue
-                summary["samples_read"] += 1
-    return placement
+                check.summary["samples_read"] += 1
 
 
 def _warn_unlisted(job_dir: Path, listed: set[str], report: VerifyReport) -> None:

@@ -12,10 +12,10 @@ import shutil
 import pytest
 from sqlalchemy import func, select
 
-from hsx.api.schemas import SampleIn
 from hsx.db.models import JobRow
 from hsx.service.errors import InsufficientStorage
 from hsx.service.intake import DiskCheck, Ingest, Limits, store
+from hsx.wire import SampleIn
 
 TOKENS = 10
 PER_TOKEN_EXTRA = 16  # int64 input_ids and loss_mask

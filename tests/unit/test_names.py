@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from hsx.api.app import create_app
-from hsx.api.schemas import JobCreate, SampleIn
 from hsx.config import Settings
 from hsx.names import MAX_LENGTH, PATTERN, bad_character, could_be_stored, shown
+from hsx.wire import JobCreate, SampleIn
 
 
 def test_the_pattern_says_what_the_rule_enforces():

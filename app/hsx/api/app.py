@@ -3,6 +3,7 @@ and the dashboard."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -24,7 +25,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     cancels = CancelSweeper(sessions, settings.output_root, settings.cancel_batch)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         cancels.start()
         if writer is not None:
             writer.start_thread()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import anyio
 from anyio.to_thread import run_sync

@@ -7,6 +7,7 @@ nothing here reads the database, so the page and its files need no token.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
@@ -27,7 +28,7 @@ class _Files(StaticFiles):
     """The files, revalidated at every load (a 304 when unchanged): an upgraded service's page never runs
     with a cached older script."""
 
-    def file_response(self, *args, **kwargs) -> Response:
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
         response = super().file_response(*args, **kwargs)
         response.headers["Cache-Control"] = "no-cache"
         return response

@@ -15,6 +15,7 @@ written out canonically, in place of the client's header.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from starlette.responses import FileResponse
 from starlette.types import Receive, Scope, Send
@@ -57,23 +58,33 @@ def wanted_ranges(header: str | None, if_range: str | None, etag: str, size: int
     parts = [p for p in specs.split(",") if p.strip()]
     if not parts or len(parts) > MAX_RANGES:
         return None
-    ranges = []
-    for part in parts:
-        m = _RANGE_SPEC.match(part)
-        if m is None or m.group(1) == m.group(2) == "":
-            return None
-        first, last = (_position(g) for g in m.groups())
-        if first is None:  # the last `last` bytes
-            if last and size > 0:
-                ranges.append((max(size - last, 0), size - 1))
-            continue
-        if last is not None and last < first:
-            return None  # an invalid range-spec makes the whole header invalid
-        if first < size:
-            ranges.append((first, size - 1 if last is None else min(last, size - 1)))
+    try:
+        found = [_byte_range(part, size) for part in parts]
+    except _InvalidSpec:
+        return None
+    ranges = [r for r in found if r is not None]
     if not ranges:
         raise RangeNotSatisfiable(size)
     return ranges
+
+
+class _InvalidSpec(Exception):
+    """A range-spec that is not one: it makes the whole Range header invalid, and the header is ignored."""
+
+
+def _byte_range(part: str, size: int) -> tuple[int, int] | None:
+    """One range-spec's (first, last) inside the file, None when it lies outside."""
+    m = _RANGE_SPEC.match(part)
+    if m is None or m.group(1) == m.group(2) == "":
+        raise _InvalidSpec
+    first, last = (_position(g) for g in m.groups())
+    if first is None:  # the last `last` bytes
+        return (max(size - last, 0), size - 1) if last and size > 0 else None
+    if last is not None and last < first:
+        raise _InvalidSpec
+    if first < size:
+        return (first, size - 1 if last is None else min(last, size - 1))
+    return None
 
 
 def _position(digits: str) -> int | None:
@@ -85,7 +96,7 @@ class FileDownload(FileResponse):
     """A FileResponse that sends `ranges` (None: the whole file) rather than what the request's
     Range and If-Range headers say."""
 
-    def __init__(self, *args, ranges: list[tuple[int, int]] | None, **kwargs):
+    def __init__(self, *args: Any, ranges: list[tuple[int, int]] | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ranges = ranges
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
@@ -24,7 +25,16 @@ from hsx.api.deps import (
 from hsx.api.downloads import FileDownload, none_match, wanted_ranges
 from hsx.api.params import JobCursor, JobId, NameQuery, SampleCursor, SampleIdPath, ShardName
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
-from hsx.api.schemas import (
+from hsx.extraction import Writer
+from hsx.layers import check_layers, parse_layers
+from hsx.names import shown
+from hsx.service import jobs as service
+from hsx.service import queries
+from hsx.service.errors import InvalidInput, NotFound, UnsupportedBody
+from hsx.service.tensors import sample_tensors
+from hsx.service.views import job_out
+from hsx.states import TERMINAL_JOB_STATES
+from hsx.wire import (
     JobOut,
     JobPage,
     JobStateValue,
@@ -34,20 +44,11 @@ from hsx.api.schemas import (
     ShardList,
     Throughput,
 )
-from hsx.api.views import job_out, sample_out, shard_out, throughput_out
-from hsx.db import repository as repo
-from hsx.extraction import Writer
-from hsx.layers import check_layers, parse_layers
-from hsx.names import shown
-from hsx.service import jobs as service
-from hsx.service.errors import InvalidInput, NotFound, UnsupportedBody
-from hsx.service.tensors import sample_tensors
-from hsx.states import TERMINAL_JOB_STATES
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
-def _problems(*codes: int) -> dict:
+def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {
         400: "Malformed Range header",
         401: "Missing or unknown token",
@@ -85,6 +86,10 @@ CREATE_BODY = {
 }
 
 
+# The job's own URL, relative as every Location the service sends (see hsx.api.routing).
+CREATED_HEADERS = {"headers": {"Location": {"description": "the job's URL", "schema": {"type": "string"}}}}
+
+
 # --- creation -------------------------------------------------------------------------------
 
 
@@ -92,7 +97,7 @@ CREATE_BODY = {
     "",
     status_code=202,
     response_model=JobOut,
-    responses=_problems(413, 415, 507),
+    responses={**_problems(413, 415, 507), 202: CREATED_HEADERS},
     openapi_extra=CREATE_BODY,
     summary="Create an extraction job",
     description="Samples inline (`samples`), from a JSONL file under the service's input root "
@@ -103,6 +108,7 @@ CREATE_BODY = {
 )
 async def create_job(
     request: Request,
+    response: Response,
     settings: SettingsDep,
     sessions: SessionsDep,
     backend: BackendDep,
@@ -136,6 +142,7 @@ async def create_job(
                 idempotency_key=idempotency_key,
             )
     _wake(writer)
+    response.headers["Location"] = request.scope.get("root_path", "") + f"/v1/jobs/{job.id}"
     return job_out(job)
 
 
@@ -166,14 +173,7 @@ def list_jobs(
     after: JobCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> JobPage:
-    rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
-    page = rows[:limit]
-    waiting = repo.waiting(session)
-    return JobPage(
-        data=[job_out(j, waiting.reason(j)) for j in page],
-        has_more=len(rows) > limit,
-        next_after=page[-1].id if len(rows) > limit else None,
-    )
+    return queries.job_page(session=session, state=state, after=after, limit=limit)
 
 
 @router.api_route(
@@ -184,8 +184,7 @@ def list_jobs(
     summary="A job's state and progress",
 )
 def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
-    job = service.get_job(session=session, job_id=job_id)
-    return job_out(job, repo.waiting(session).reason(job))
+    return queries.job_view(session=session, job_id=job_id)
 
 
 @router.get(
@@ -200,11 +199,10 @@ def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
     response_class=StreamingResponse,
     summary="Live progress as server-sent events",
 )
-async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep):
+async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep) -> StreamingResponse:
     def load() -> JobOut | None:
         with sessions() as s:
-            job = repo.get_job(s, job_id)
-            return job_out(job, repo.waiting(s).reason(job)) if job else None
+            return queries.job_view_if_any(session=s, job_id=job_id)
 
     first = await run_in_threadpool(load)
     if first is None:
@@ -244,9 +242,7 @@ def get_throughput(
     session: ReadSessionDep,
     points: Annotated[int, Query(ge=1, le=1000, description="the most windows to return")] = 120,
 ) -> Throughput:
-    job = service.get_job(session=session, job_id=job_id)
-    width, history = repo.job_throughput(session, job, points=points, now=time.time())
-    return throughput_out(job.id, width, history)
+    return queries.job_throughput(session=session, job_id=job_id, points=points, now=time.time())
 
 
 @router.api_route(
@@ -263,20 +259,7 @@ def list_samples(
     after: SampleCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> SamplePage:
-    service.get_job(session=session, job_id=job_id)
-    after_idx = None
-    if after:  # an empty cursor, which the document allows, is the first page
-        anchor = repo.get_sample(session, job_id, after)
-        if anchor is None:
-            raise InvalidInput([{"field": "after", "message": f"no sample {after!r} in this job to continue after"}])
-        after_idx = anchor.idx
-    rows = repo.list_samples(session, job_id, state=state, after_idx=after_idx, limit=limit + 1)
-    page = rows[:limit]
-    return SamplePage(
-        data=[sample_out(s) for s in page],
-        has_more=len(rows) > limit,
-        next_after=page[-1].sample_id if len(rows) > limit else None,
-    )
+    return queries.sample_page(session=session, job_id=job_id, state=state, after=after, limit=limit)
 
 
 # Sample ids may contain "/": they are the last, path-typed part of every URL that names one.
@@ -312,8 +295,7 @@ def get_sample_tensors(
     summary="One sample, with every attempt and its outcome",
 )
 def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) -> SampleOut:
-    sample = service.get_sample(session=session, job_id=job_id, sample_id=sample_id)
-    return sample_out(sample, repo.sample_attempts(session, sample.pk))
+    return queries.sample_view(session=session, job_id=job_id, sample_id=sample_id)
 
 
 @router.api_route(
@@ -322,7 +304,7 @@ def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) 
     responses=_problems(404, 410),
     summary="The job's manifest (GET or HEAD): model, layers, shards (with sha256) and where each sample lies",
 )
-def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
+def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
     manifest = service.job_manifest(session=session, job_id=job_id, output_root=settings.output_root)
     return manifest.model_dump(mode="json")
 
@@ -335,8 +317,7 @@ def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) 
     summary="The shards written so far, without the manifest's list of samples",
 )
 def list_shards(job_id: JobId, session: ReadSessionDep) -> ShardList:
-    service.get_job(session=session, job_id=job_id)
-    return ShardList(data=[shard_out(s) for s in repo.job_shards(session, job_id)])
+    return queries.shard_list(session=session, job_id=job_id)
 
 
 @router.api_route(
@@ -351,7 +332,9 @@ def list_shards(job_id: JobId, session: ReadSessionDep) -> ShardList:
     response_class=FileResponse,
     summary="Download one shard (GET or HEAD); supports Range, If-Range, ETag (its sha256) and If-None-Match",
 )
-def get_shard(job_id: JobId, name: ShardName, session: ReadSessionDep, settings: SettingsDep, request: Request):
+def get_shard(
+    job_id: JobId, name: ShardName, session: ReadSessionDep, settings: SettingsDep, request: Request
+) -> Response:
     shard, path, _ = service.shard_file(session=session, job_id=job_id, name=name, output_root=settings.output_root)
     etag = f'"{shard.sha256}"'
     headers = {"ETag": etag, "X-Content-SHA256": shard.sha256, "Cache-Control": "private, max-age=0"}
@@ -417,5 +400,5 @@ def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete
     description="A 409 while the job is not finished; a 410 when its folder (manifest and shards) is no longer "
     "in the output root.",
 )
-def verify(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict:
+def verify(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
     return service.verify_job(session=session, job_id=job_id, output_root=settings.output_root)

@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
 from hsx.api.problems import PROBLEM_MEDIA_TYPE, PROBLEM_SCHEMA
-from hsx.api.schemas import JobCreate
+from hsx.wire import JobCreate
 
 # Operations on a created job, by operationId (a route's function name; see `operation_id`).
 JOB_OPERATIONS = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,7 +24,7 @@ log = logging.getLogger("hsx.api")
 
 
 def problem_response(
-    status: int, title: str, detail: str, type_: str, headers: Mapping[str, str] | None = None, **extra
+    status: int, title: str, detail: str, type_: str, headers: Mapping[str, str] | None = None, **extra: Any
 ) -> JSONResponse:
     body = {"type": type_, "title": title, "status": status, "detail": detail, **extra}
     return JSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
@@ -64,21 +65,21 @@ PROBLEM_SCHEMA = {
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
-    async def _problem(_: Request, exc: ServiceError):
+    async def _problem(_: Request, exc: ServiceError) -> JSONResponse:
         return problem_response(exc.status, exc.title, exc.detail, exc.type, exc.headers, **exc.extra)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = InvalidInput.from_pydantic(exc.errors())
         return problem_response(err.status, err.title, err.detail, err.type, **err.extra)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return http_problem(exc)
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
-    async def _database(_: Request, exc: DBAPIError):
+    async def _database(_: Request, exc: DBAPIError) -> JSONResponse:
         # A database that is restarting or unreachable is a temporary condition the client can
         # retry, not a server bug; nothing was stored (the transaction rolled back).
         return problem_response(
@@ -99,11 +100,11 @@ def install(app: FastAPI) -> None:
         )
 
     @app.exception_handler(OutputRootMismatch)
-    async def _output_root(_: Request, exc: OutputRootMismatch):
+    async def _output_root(_: Request, exc: OutputRootMismatch) -> JSONResponse:
         # Writing a manifest found the output root gone from under the service (a file system that
         # dropped away): the action rolled back, and can be sent again once the folder is back.
         return problem_response(503, "Service Unavailable", str(exc), "/problems/output-root-unavailable")
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return problem_response(500, "Internal Server Error", f"unexpected {type(exc).__name__}", "/problems/internal")

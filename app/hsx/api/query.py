@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from urllib.parse import unquote_to_bytes
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
+from starlette.middleware.base import RequestResponseEndpoint
 
 from hsx.api.problems import problem_response
 
 
 def install(app: FastAPI) -> None:
     @app.middleware("http")
-    async def _utf8_query(request: Request, call_next):
+    async def _utf8_query(request: Request, call_next: RequestResponseEndpoint) -> Response:
         bad = _not_utf8(request.scope.get("query_string", b""))
         if bad is not None:
             return problem_response(

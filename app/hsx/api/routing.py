@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import RedirectResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
@@ -25,14 +25,14 @@ def install(app: FastAPI, routers: list[APIRouter]) -> None:
         return [r for r in app.router.routes if hasattr(r, "methods")] + [r for rr in routers for r in rr.routes]
 
     @app.exception_handler(404)
-    async def _not_found(request: Request, exc: StarletteHTTPException):
+    async def _not_found(request: Request, exc: StarletteHTTPException) -> Response:
         location = slash_twin(routes(), request)
         if location is None:
             return http_problem(exc)
         return RedirectResponse(location, status_code=307)
 
     @app.exception_handler(405)
-    async def _method_not_allowed(request: Request, exc: StarletteHTTPException):
+    async def _method_not_allowed(request: Request, exc: StarletteHTTPException) -> Response:
         allowed = sorted(
             {m for route in routes() if route.matches(request.scope)[0] != Match.NONE for m in _methods(route)}
         )

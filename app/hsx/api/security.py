@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
+from starlette.middleware.base import RequestResponseEndpoint
 
 from hsx.api.problems import problem_response
 from hsx.config import parse_tokens
@@ -30,7 +31,7 @@ def install(app: FastAPI, spec: str) -> None:
         return found
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next):
+    async def _auth(request: Request, call_next: RequestResponseEndpoint) -> Response:
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         role = role_of(presented.strip()) if scheme.lower() == "bearer" and presented else None
         if request.url.path in OPEN_PATHS or request.url.path.startswith(OPEN_PREFIXES):

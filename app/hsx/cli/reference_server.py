@@ -72,6 +72,13 @@ LEGACY_FLAGS = ("dump_root", "layers", "enable_fault_injection", "enable_radix_c
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_server_arguments(parser)
+    _add_stock_arguments(parser.add_argument_group("stock mode: SGLang 0.5.23's own flags (see above)"))
+    _add_synthetic_arguments(parser.add_argument_group("synthetic mode (benchmarks; no model compute)"))
+    _add_fault_arguments(parser.add_argument_group("fault injection (tests)"))
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         metavar="PATH",
@@ -129,7 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "last-layer rows as float lists",
     )
 
-    stock = parser.add_argument_group("stock mode: SGLang 0.5.23's own flags (see above)")
+
+def _add_stock_arguments(stock: argparse._ArgumentGroup) -> None:
     stock.add_argument(
         "--stock-sglang",
         action="store_true",
@@ -163,7 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="turn the prefix cache off (stock mode has it on, as SGLang does)",
     )
 
-    synthetic = parser.add_argument_group("synthetic mode (benchmarks; no model compute)")
+
+def _add_synthetic_arguments(synthetic: argparse._ArgumentGroup) -> None:
     synthetic.add_argument(
         "--synthetic",
         action="store_true",
@@ -210,7 +219,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "longest prompt's time plus --per-request-us each; counter mode stays serialised (default: 1)",
     )
 
-    faults = parser.add_argument_group("fault injection (tests)")
+
+def _add_fault_arguments(faults: argparse._ArgumentGroup) -> None:
     faults.add_argument(
         "--enable-fault-injection",
         action="store_true",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -36,7 +37,7 @@ def make_engine(url: str, *, idle_in_transaction_s: float | None = None) -> Engi
     engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 60})
 
     @event.listens_for(engine, "connect")
-    def _sqlite_pragmas(dbapi_conn, _record):
+    def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
         # Take transaction control from pysqlite so that BEGIN IMMEDIATE below is what runs:
         # a deferred transaction that reads then writes can fail with "database is locked"
         # instead of waiting when another process wrote in between.
@@ -52,7 +53,7 @@ def make_engine(url: str, *, idle_in_transaction_s: float | None = None) -> Engi
         cur.close()
 
     @event.listens_for(engine, "begin")
-    def _sqlite_begin(conn):
+    def _sqlite_begin(conn: Connection) -> None:
         # Readers take no write lock, so a long read never holds up the writer.
         conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READONLY) else "BEGIN IMMEDIATE")
 

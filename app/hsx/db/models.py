@@ -8,6 +8,7 @@ tests/integration/test_migrations.py proves it equals these models.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -49,9 +50,9 @@ class JobRow(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
     request_sha256: Mapped[str | None] = mapped_column(String(64))
     # What the first sample's dump said about the model: every later sample must agree.
-    model_info: Mapped[dict | None] = mapped_column(JSON)
+    model_info: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # Captured layers the job asks for; NULL takes whatever the server captures.
-    layers: Mapped[list | None] = mapped_column(JSON)
+    layers: Mapped[list[int] | None] = mapped_column(JSON)
     # Which workers may claim its samples (hsx.matching): the layers it asks for or was first
     # captured with, and the model its first stored sample came from. NULL: any worker.
     layers_key: Mapped[str | None] = mapped_column(String(2000))
@@ -171,14 +172,14 @@ class WriterRow(Base):
     identity: Mapped[str] = mapped_column(String(500), primary_key=True)
     state: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str | None] = mapped_column(Text)
-    server: Mapped[dict | None] = mapped_column(JSON)
+    server: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     # The lease: the fencing token every write of this writer is checked against (raised each time
     # the writer registers, and when another writer finds the lease expired), and its expiry.
     epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    stats: Mapped[dict | None] = mapped_column(JSON)  # samples done, tokens/s: what GET /v1/workers shows
+    stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # samples done, tokens/s: what GET /v1/workers shows
 
 
 class OutputRootRow(Base):

@@ -302,7 +302,20 @@ def parse_generate(body: Any, runner: ModelRunner, name_by: str) -> GenerateRequ
     for field in ("text", "input_embeds"):
         if body.get(field) is not None:
             raise BadRequest(f"{field} is not supported by the reference server; send input_ids")
-    raw = body.get("input_ids")
+    sequences, is_batch = parse_input_ids(body.get("input_ids"), runner)
+    rids = parse_rids(body.get("rid"), len(sequences), is_batch)
+    if name_by == "rid":
+        check_dump_names(rids)
+    max_new_tokens = parse_max_new_tokens(body)
+    return_hidden_states = body.get("return_hidden_states", False)
+    if not isinstance(return_hidden_states, bool):
+        raise BadRequest("return_hidden_states must be a boolean")
+    extra_keys = parse_extra_keys(body.get("extra_key"), len(sequences), is_batch)
+    return GenerateRequest(sequences, rids, is_batch, max_new_tokens, return_hidden_states, extra_keys)
+
+
+def parse_input_ids(raw: Any, runner: ModelRunner) -> tuple[list[list[int]], bool]:
+    """SGLang's `input_ids`: one sequence of token ids, or a batch of them; (sequences, is_batch)."""
     if raw is None:
         raise BadRequest("input_ids is required")
     if not isinstance(raw, list) or not raw:
@@ -314,15 +327,19 @@ def parse_generate(body: Any, runner: ModelRunner, name_by: str) -> GenerateRequ
         check_ids(ids, f"input_ids[{n}]" if is_batch else "input_ids", runner.vocab_size, max_len)
         for n, ids in enumerate(seqs)
     ]
+    return sequences, is_batch
 
-    rid = body.get("rid")
+
+def parse_rids(rid: Any, n: int, is_batch: bool) -> list[str]:
+    """SGLang's `rid`: a string for one sequence, a list of one per sequence for a batch, fresh ids when
+    absent; unique within the request."""
     if rid is None:
-        rids = [uuid.uuid4().hex for _ in sequences]
-    elif is_batch:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if is_batch:
         if not isinstance(rid, list):
             raise BadRequest("rid must be a list with one id per sequence for a batch")
-        if len(rid) != len(sequences):
-            raise BadRequest(f"rid has {len(rid)} entries for {len(sequences)} sequences")
+        if len(rid) != n:
+            raise BadRequest(f"rid has {len(rid)} entries for {n} sequences")
         rids = rid
     else:
         if not isinstance(rid, str):
@@ -332,22 +349,19 @@ def parse_generate(body: Any, runner: ModelRunner, name_by: str) -> GenerateRequ
         raise BadRequest("every rid must be a string")
     if len(set(rids)) != len(rids):
         raise BadRequest("duplicate rid within one request")
-    if name_by == "rid":
-        unsafe = [r for r in rids if not SAFE_RID.fullmatch(r)]
-        if unsafe:
-            raise BadRequest(
-                f"rid {unsafe[0]!r} cannot name a dump directory: use 1-200 of [A-Za-z0-9._-], not starting with '.'"
-            )
-
-    max_new_tokens = parse_max_new_tokens(body)
-    return_hidden_states = body.get("return_hidden_states", False)
-    if not isinstance(return_hidden_states, bool):
-        raise BadRequest("return_hidden_states must be a boolean")
-    extra_keys = parse_extra_keys(body.get("extra_key"), len(sequences), is_batch)
-    return GenerateRequest(sequences, rids, is_batch, max_new_tokens, return_hidden_states, extra_keys)
+    return rids
 
 
-def parse_max_new_tokens(body: dict) -> int:
+def check_dump_names(rids: list[str]) -> None:
+    """In rid mode each rid names a dump directory, so it must be a safe file name."""
+    unsafe = [r for r in rids if not SAFE_RID.fullmatch(r)]
+    if unsafe:
+        raise BadRequest(
+            f"rid {unsafe[0]!r} cannot name a dump directory: use 1-200 of [A-Za-z0-9._-], not starting with '.'"
+        )
+
+
+def parse_max_new_tokens(body: dict[str, Any]) -> int:
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise BadRequest("sampling_params must be an object")
@@ -375,7 +389,7 @@ def dump_identity(anonymous: bool, name_by: str) -> str:
     return "rid" if name_by == "rid" else "count"
 
 
-def _reply(rid: str, prompt: list[int], result: ForwardResult, hidden: bool) -> dict:
+def _reply(rid: str, prompt: list[int], result: ForwardResult, hidden: bool) -> dict[str, Any]:
     n = len(result.output_ids)
     meta = {
         "id": rid,
@@ -395,7 +409,6 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def create_reference_app(engine: Engine, settings: ServerSettings, ready: threading.Event) -> FastAPI:
     runner = engine.runner
-    faults = engine.faults
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -410,27 +423,41 @@ def create_reference_app(engine: Engine, settings: ServerSettings, ready: thread
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         return _error(400, str(exc))
 
-    def generate_sync(body: Any) -> Any:
-        req = parse_generate(body, runner, settings.name_by)
-        hidden = req.return_hidden_states and settings.enable_return_hidden_states
-        delay = faults.request_delay() if faults is not None else 0.0
-        after_reply: list[tuple[float, Callable[[], None]]] = []
-        with engine.claim_rids(req.rids):
-            replies = []
-            for rid, ids, extra_key in zip(req.rids, req.sequences, req.extra_keys):
-                # Decoding stops at the context length, as in SGLang.
-                n = min(req.max_new_tokens, runner.max_position_embeddings - len(ids))
-                plan = faults.plan_sequence() if faults is not None else None
-                result = engine.forward(ids, n, rid, plan=plan, cacheable=True, extra_key=extra_key)
-                after_reply.extend(result.after_reply)
-                replies.append(_reply(rid, ids, result, hidden))
-            if delay:
-                engine.injector.count("delay")
-                log(f"fault: delaying the reply to rid(s) {req.rids} by {delay}s")
-                time.sleep(delay)
-        if after_reply:
-            engine.injector.schedule(after_reply)
-        return replies if req.is_batch else replies[0]
+    _add_generate(app, engine, settings)
+    _add_health(app, engine, ready)
+    _add_info(app, engine, settings)
+    if engine.faults is not None:
+        add_admin_routes(app, engine.faults)
+    return app
+
+
+def answer_generate(engine: Engine, settings: ServerSettings, body: Any) -> Any:
+    """One /generate request: its forwards and dumps, and SGLang's reply (a list for a batch)."""
+    runner, faults = engine.runner, engine.faults
+    req = parse_generate(body, runner, settings.name_by)
+    hidden = req.return_hidden_states and settings.enable_return_hidden_states
+    delay = faults.request_delay() if faults is not None else 0.0
+    after_reply: list[tuple[float, Callable[[], None]]] = []
+    with engine.claim_rids(req.rids):
+        replies = []
+        for rid, ids, extra_key in zip(req.rids, req.sequences, req.extra_keys, strict=True):
+            # Decoding stops at the context length, as in SGLang.
+            n = min(req.max_new_tokens, runner.max_position_embeddings - len(ids))
+            plan = faults.plan_sequence() if faults is not None else None
+            result = engine.forward(ids, n, rid, plan=plan, cacheable=True, extra_key=extra_key)
+            after_reply.extend(result.after_reply)
+            replies.append(_reply(rid, ids, result, hidden))
+        if delay:
+            engine.injector.count("delay")
+            log(f"fault: delaying the reply to rid(s) {req.rids} by {delay}s")
+            time.sleep(delay)
+    if after_reply:
+        engine.injector.schedule(after_reply)
+    return replies if req.is_batch else replies[0]
+
+
+def _add_generate(app: FastAPI, engine: Engine, settings: ServerSettings) -> None:
+    faults = engine.faults
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
@@ -440,59 +467,76 @@ def create_reference_app(engine: Engine, settings: ServerSettings, ready: thread
             body = await request.json()
         except ValueError:
             return _error(400, "the request body is not valid JSON")
-        return await run_in_threadpool(generate_sync, body)
+        return await run_in_threadpool(answer_generate, engine, settings, body)
 
-    def health_sync() -> Response:
-        if not ready.is_set():
-            return Response(status_code=503)
-        if faults is not None and faults.unavailable_now():
-            return Response(status_code=503)
-        # Like SGLang, a health probe is a real forward, so it consumes a counter value and writes a dump.
-        engine.forward([0], 1, f"HEALTH_CHECK_{time.time()}")
-        return Response(status_code=200)
 
+def health_status(engine: Engine, ready: threading.Event) -> Response:
+    """/health and /health_generate: 503 until the warm-up is done and while an injected outage lasts."""
+    if not ready.is_set():
+        return Response(status_code=503)
+    if engine.faults is not None and engine.faults.unavailable_now():
+        return Response(status_code=503)
+    # Like SGLang, a health probe is a real forward, so it consumes a counter value and writes a dump.
+    engine.forward([0], 1, f"HEALTH_CHECK_{time.time()}")
+    return Response(status_code=200)
+
+
+def _add_health(app: FastAPI, engine: Engine, ready: threading.Event) -> None:
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> Response:
-        return await run_in_threadpool(health_sync)
+        return await run_in_threadpool(health_status, engine, ready)
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> dict:
-        return {
-            "model_path": runner.model_path,
-            "is_generation": True,
-            "vocab_size": runner.vocab_size,
-            "num_hidden_layers": runner.num_hidden_layers,
-            "hidden_size": runner.hidden_size,
+
+def model_info(runner: ModelRunner) -> dict[str, Any]:
+    """/get_model_info: the model's shape."""
+    return {
+        "model_path": runner.model_path,
+        "is_generation": True,
+        "vocab_size": runner.vocab_size,
+        "num_hidden_layers": runner.num_hidden_layers,
+        "hidden_size": runner.hidden_size,
+        "dtype": runner.dtype_name,
+        "max_position_embeddings": runner.max_position_embeddings,
+    }
+
+
+def server_info(engine: Engine, settings: ServerSettings) -> dict[str, Any]:
+    """/get_server_info: the server's settings and its dump protocol (hs_dump)."""
+    runner = engine.runner
+    info: dict[str, Any] = {
+        "model_path": runner.model_path,
+        "disable_radix_cache": engine.prefix_cache is None,
+        "chunked_prefill_size": engine.chunked_prefill_size,
+        "max_req_input_len": runner.max_position_embeddings,
+        "enable_return_hidden_states": settings.enable_return_hidden_states,
+        "skip_server_warmup": settings.skip_server_warmup,
+        "hs_dump": {
+            "protocol": DUMP_PROTOCOL,
+            "dump_root": str(settings.dump_root),
+            "name_by": settings.name_by,
+            "layers": runner.layers,
+            "boot_id": engine.dumper.boot_id,
             "dtype": runner.dtype_name,
-            "max_position_embeddings": runner.max_position_embeddings,
-        }
+            # What each dump proves to a reader (hsx.identity): its ids, else its rid-named folder, else its size.
+            "identity": dump_identity(engine.dumper.anonymous, settings.name_by),
+        },
+    }
+    if engine.faults is not None:
+        info["enable_fault_injection"] = True
+    if hasattr(runner, "info"):  # synthetic mode
+        info["synthetic"] = runner.info()
+    return info
+
+
+def _add_info(app: FastAPI, engine: Engine, settings: ServerSettings) -> None:
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return model_info(engine.runner)
 
     @app.get("/get_server_info")
-    async def get_server_info() -> dict:
-        info = {
-            "model_path": runner.model_path,
-            "disable_radix_cache": engine.prefix_cache is None,
-            "chunked_prefill_size": engine.chunked_prefill_size,
-            "max_req_input_len": runner.max_position_embeddings,
-            "enable_return_hidden_states": settings.enable_return_hidden_states,
-            "skip_server_warmup": settings.skip_server_warmup,
-            "hs_dump": {
-                "protocol": DUMP_PROTOCOL,
-                "dump_root": str(settings.dump_root),
-                "name_by": settings.name_by,
-                "layers": runner.layers,
-                "boot_id": engine.dumper.boot_id,
-                "dtype": runner.dtype_name,
-                # What each dump proves to a reader (hsx.identity): its ids, else its rid-named folder, else its size.
-                "identity": dump_identity(engine.dumper.anonymous, settings.name_by),
-            },
-        }
-        if faults is not None:
-            info["enable_fault_injection"] = True
-        if hasattr(runner, "info"):  # synthetic mode
-            info["synthetic"] = runner.info()
-        return info
+    async def get_server_info() -> dict[str, Any]:
+        return server_info(engine, settings)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
@@ -500,10 +544,6 @@ def create_reference_app(engine: Engine, settings: ServerSettings, ready: thread
             engine.prefix_cache.clear()
             return PlainTextResponse("Cache flushed.")
         return PlainTextResponse("Cache flushed (the reference server has no cache).")
-
-    if faults is not None:
-        add_admin_routes(app, faults)
-    return app
 
 
 def _loopback_url(host: str, port: int) -> str:

@@ -45,6 +45,7 @@ from hsx.sdk.models import (
 )
 
 __all__ = [
+    "TERMINAL_STATES",
     "AsyncHsxClient",
     "Attempt",
     "ChecksumMismatch",
@@ -68,7 +69,6 @@ __all__ = [
     "ServerError",
     "Shard",
     "ShardList",
-    "TERMINAL_STATES",
     "Throughput",
     "ThroughputPoint",
     "TokenInfo",

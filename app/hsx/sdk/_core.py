@@ -6,9 +6,10 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Generic, TypeVar, cast
 from urllib.parse import quote
 
 import httpx
@@ -30,6 +31,9 @@ from hsx.sdk.models import (
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.atomic import atomic_file, fsync_path
 
+if TYPE_CHECKING:
+    import torch
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 USER_AGENT = "hsx-sdk/0.1"
 CHUNK = 1 << 20
@@ -38,7 +42,7 @@ JobRef = Any  # a job id, or a Job (anything with an `id`)
 ShardProgress = Callable[[str, int, int], None]  # (shard name, bytes done, bytes total)
 
 
-def client_options(base_url: str | None, token: str | None, timeout: float, options: dict) -> dict:
+def client_options(base_url: str | None, token: str | None, timeout: float, options: dict[str, Any]) -> dict[str, Any]:
     """httpx client arguments: base URL from the argument, HSX_URL or the default; bearer token from the
     argument or HSX_TOKEN."""
     url = (base_url or os.environ.get("HSX_URL") or DEFAULT_URL).rstrip("/")
@@ -67,33 +71,39 @@ def jobs_path(job: JobRef, *rest: Any) -> str:
     return "/".join(["/v1/jobs", seg(job_id(job)), *(seg(r) for r in rest)])
 
 
-def drop_none(d: dict) -> dict:
+def drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
+Answer = TypeVar("Answer")
+# A verification's report, as the service's hsx.verify writes it (free-form JSON).
+Report = dict[str, Any]
+
+
 @dataclass
-class Call:
-    """One request and the model its answer is read into (None: no body)."""
+class Call(Generic[Answer]):
+    """One request and the model its answer is read into (None: no body; dict: the JSON as it is)."""
 
     method: str
     path: str
-    model: type[BaseModel] | type[dict] | None = None
-    params: dict | None = None
+    model: type[Answer] | None = None
+    params: dict[str, Any] | None = None
     json: Any = None
-    headers: dict | None = None
+    headers: dict[str, str] | None = None
 
-    def kwargs(self) -> dict:
+    def kwargs(self) -> dict[str, Any]:
         return drop_none({"params": self.params, "json": self.json, "headers": self.headers})
 
-    def parse(self, resp: httpx.Response):
+    def parse(self, resp: httpx.Response) -> Answer:
+        # `model` fixes Answer: None for no body, a BaseModel read from the JSON, or dict for the JSON itself.
         if self.model is None:
-            return None
+            return cast(Answer, None)
         if issubclass(self.model, BaseModel):
-            return self.model.model_validate_json(resp.content)
-        return resp.json()
+            return cast(Answer, self.model.model_validate_json(resp.content))
+        return cast(Answer, resp.json())
 
 
-def idem(key: str | None) -> dict | None:
+def idem(key: str | None) -> dict[str, str] | None:
     return {"Idempotency-Key": key} if key else None
 
 
@@ -105,7 +115,13 @@ def layers_param(layers: list[int] | str | None) -> str | None:
 
 class Calls:
     @staticmethod
-    def create_job(samples, input_path, name, layers, idempotency_key) -> Call:
+    def create_job(
+        samples: list[dict[str, Any]] | None,
+        input_path: str | os.PathLike[str] | None,
+        name: str | None,
+        layers: list[int] | None,
+        idempotency_key: str | None,
+    ) -> Call[Job]:
         body = drop_none(
             {
                 "samples": samples,
@@ -117,7 +133,7 @@ class Calls:
         return Call("POST", "/v1/jobs", Job, json=body, headers=idem(idempotency_key))
 
     @staticmethod
-    def submit_jsonl(name, layers, idempotency_key) -> Call:
+    def submit_jsonl(name: str | None, layers: list[int] | str | None, idempotency_key: str | None) -> Call[Job]:
         return Call(
             "POST",
             "/v1/jobs",
@@ -127,15 +143,15 @@ class Calls:
         )
 
     @staticmethod
-    def list_jobs(state, after, limit) -> Call:
+    def list_jobs(state: str | None, after: str | None, limit: int) -> Call[JobPage]:
         return Call("GET", "/v1/jobs", JobPage, params=drop_none({"state": state, "after": after, "limit": limit}))
 
     @staticmethod
-    def get_job(job) -> Call:
+    def get_job(job: JobRef) -> Call[Job]:
         return Call("GET", jobs_path(job), Job)
 
     @staticmethod
-    def list_samples(job, state, after, limit) -> Call:
+    def list_samples(job: JobRef, state: str | None, after: str | None, limit: int) -> Call[SamplePage]:
         return Call(
             "GET",
             jobs_path(job, "samples"),
@@ -144,51 +160,51 @@ class Calls:
         )
 
     @staticmethod
-    def get_sample(job, sample_id) -> Call:
+    def get_sample(job: JobRef, sample_id: str) -> Call[Sample]:
         return Call("GET", jobs_path(job, "samples", sample_id), Sample)
 
     @staticmethod
-    def sample_tensors(job, sample_id) -> Call:
+    def sample_tensors(job: JobRef, sample_id: str) -> Call[None]:
         return Call("GET", jobs_path(job, "tensors", sample_id))
 
     @staticmethod
-    def cancel(job) -> Call:
+    def cancel(job: JobRef) -> Call[Job]:
         return Call("POST", jobs_path(job, "cancel"), Job)
 
     @staticmethod
-    def retry(job) -> Call:
+    def retry(job: JobRef) -> Call[Job]:
         return Call("POST", jobs_path(job, "retry"), Job)
 
     @staticmethod
-    def delete(job, files) -> Call:
+    def delete(job: JobRef, files: bool) -> Call[None]:
         return Call("DELETE", jobs_path(job), None, params={"delete_files": "true"} if files else None)
 
     @staticmethod
-    def manifest(job) -> Call:
+    def manifest(job: JobRef) -> Call[Manifest]:
         return Call("GET", jobs_path(job, "manifest"), Manifest)
 
     @staticmethod
-    def verify(job) -> Call:
+    def verify(job: JobRef) -> Call[Report]:
         return Call("POST", jobs_path(job, "verify"), dict)
 
     @staticmethod
-    def list_shards(job) -> Call:
+    def list_shards(job: JobRef) -> Call[ShardList]:
         return Call("GET", jobs_path(job, "shards"), ShardList)
 
     @staticmethod
-    def throughput(job, points) -> Call:
+    def throughput(job: JobRef, points: int) -> Call[Throughput]:
         return Call("GET", jobs_path(job, "throughput"), Throughput, params={"points": points})
 
     @staticmethod
-    def health() -> Call:
+    def health() -> Call[Health]:
         return Call("GET", "/healthz", Health)
 
     @staticmethod
-    def workers() -> Call:
+    def workers() -> Call[WorkerList]:
         return Call("GET", "/v1/workers", WorkerList)
 
     @staticmethod
-    def token_info() -> Call:
+    def token_info() -> Call[TokenInfo]:
         return Call("GET", "/v1/token", TokenInfo)
 
 
@@ -244,7 +260,7 @@ def delays(first: float, most: float, factor: float = 1.5) -> Iterator[float]:
         d = min(max(d * factor, 0.05), max(most, first))
 
 
-def tensors_from_bytes(data: bytes) -> dict:
+def tensors_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     from safetensors.torch import load  # imports torch; only when tensors are asked for
 
     return load(data)
@@ -296,7 +312,7 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def resolve_dest(dest: str | os.PathLike | None, name: str) -> Path:
+def resolve_dest(dest: str | os.PathLike[str] | None, name: str) -> Path:
     if dest is None:
         return Path(name)
     dest = Path(dest)
@@ -345,7 +361,7 @@ class ShardDownload:
     def part_complete(self) -> bool:
         return self.size is not None and self.offset == self.size
 
-    def request_headers(self) -> dict:
+    def request_headers(self) -> dict[str, str]:
         if not self.offset:
             return {}
         headers = {"Range": f"bytes={self.offset}-"}
@@ -380,7 +396,7 @@ class ShardDownload:
             length = resp.headers.get("content-length")
             self._total = int(length) if length and length.isdigit() else self._total
             mode = "wb"
-        self._file = open(self.part, mode)
+        self._file = open(self.part, mode)  # noqa: SIM115 - held across write() calls, closed by the download
         self.progress()
 
     def write(self, chunk: bytes) -> None:

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import IO, AsyncIterator, Callable
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
 from hsx.sdk._core import (
     CHUNK,
     TRANSIENT,
+    Answer,
     Call,
     Calls,
     JobRef,
     Poll,
+    Report,
     ShardDownload,
     ShardProgress,
     SSEDecoder,
@@ -42,6 +45,9 @@ from hsx.sdk.models import (
 )
 from hsx.states import TERMINAL_JOB_STATES
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["AsyncHsxClient"]
 
 
@@ -55,7 +61,7 @@ class AsyncHsxClient:
     iter_samples and events are async iterators). Use `async with AsyncHsxClient() as hsx: ...`."""
 
     def __init__(
-        self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0, **httpx_options
+        self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0, **httpx_options: Any
     ):
         options = client_options(base_url, token, timeout, httpx_options)
         self.base_url: str = options["base_url"]
@@ -64,7 +70,7 @@ class AsyncHsxClient:
     async def __aenter__(self) -> AsyncHsxClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -72,7 +78,7 @@ class AsyncHsxClient:
 
     close = aclose
 
-    async def _send(self, call: Call, **extra):
+    async def _send(self, call: Call[Answer], **extra: Any) -> Answer:
         resp = await self._http.request(call.method, call.path, **call.kwargs(), **extra)
         if resp.is_error:
             raise error_from_response(resp)
@@ -82,7 +88,7 @@ class AsyncHsxClient:
 
     async def create_job(
         self,
-        samples: list[dict] | None = None,
+        samples: list[dict[str, Any]] | None = None,
         *,
         input_path: str | None = None,
         name: str | None = None,
@@ -93,7 +99,7 @@ class AsyncHsxClient:
 
     async def submit_jsonl(
         self,
-        source: str | os.PathLike | IO[bytes],
+        source: str | os.PathLike[str] | IO[bytes],
         *,
         name: str | None = None,
         layers: list[int] | None = None,
@@ -190,7 +196,7 @@ class AsyncHsxClient:
     async def get_sample(self, job: JobRef, sample_id: str) -> Sample:
         return await self._send(Calls.get_sample(job, sample_id))
 
-    async def sample_tensors(self, job: JobRef, sample_id: str) -> dict:
+    async def sample_tensors(self, job: JobRef, sample_id: str) -> dict[str, torch.Tensor]:
         call = Calls.sample_tensors(job, sample_id)
         resp = await self._http.request(call.method, call.path)
         if resp.is_error:
@@ -209,7 +215,7 @@ class AsyncHsxClient:
         self,
         job: JobRef,
         name: str,
-        dest: str | os.PathLike | None = None,
+        dest: str | os.PathLike[str] | None = None,
         *,
         sha256: str | None = None,
         size: int | None = None,
@@ -249,7 +255,7 @@ class AsyncHsxClient:
         return await self._fetch(job, dl)
 
     async def download_job(
-        self, job: JobRef, directory: str | os.PathLike, *, on_progress: ShardProgress | None = None
+        self, job: JobRef, directory: str | os.PathLike[str], *, on_progress: ShardProgress | None = None
     ) -> Manifest:
         call = Calls.manifest(job)
         resp = await self._http.request(call.method, call.path)
@@ -267,7 +273,7 @@ class AsyncHsxClient:
             write_atomic(directory / "manifest.json", resp.content)
         return manifest
 
-    async def verify(self, job: JobRef) -> dict:
+    async def verify(self, job: JobRef) -> Report:
         return await self._send(Calls.verify(job))
 
     async def health(self) -> Health:

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
 from hsx.sdk._core import (
     CHUNK,
     TRANSIENT,
+    Answer,
     Call,
     Calls,
     JobRef,
     Poll,
+    Report,
     ShardDownload,
     ShardProgress,
     SSEDecoder,
@@ -43,6 +46,9 @@ from hsx.sdk.models import (
 )
 from hsx.states import TERMINAL_JOB_STATES
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["HsxClient", "HsxError"]
 
 
@@ -56,7 +62,7 @@ class HsxClient:
     """
 
     def __init__(
-        self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0, **httpx_options
+        self, base_url: str | None = None, *, token: str | None = None, timeout: float = 60.0, **httpx_options: Any
     ):
         options = client_options(base_url, token, timeout, httpx_options)
         self.base_url: str = options["base_url"]
@@ -65,13 +71,13 @@ class HsxClient:
     def __enter__(self) -> HsxClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
         self._http.close()
 
-    def _send(self, call: Call, **extra):
+    def _send(self, call: Call[Answer], **extra: Any) -> Answer:
         resp = self._http.request(call.method, call.path, **call.kwargs(), **extra)
         if resp.is_error:
             raise error_from_response(resp)
@@ -81,7 +87,7 @@ class HsxClient:
 
     def create_job(
         self,
-        samples: list[dict] | None = None,
+        samples: list[dict[str, Any]] | None = None,
         *,
         input_path: str | None = None,
         name: str | None = None,
@@ -95,7 +101,7 @@ class HsxClient:
 
     def submit_jsonl(
         self,
-        source: str | os.PathLike | IO[bytes],
+        source: str | os.PathLike[str] | IO[bytes],
         *,
         name: str | None = None,
         layers: list[int] | None = None,
@@ -200,7 +206,7 @@ class HsxClient:
         """One sample with every attempt (`attempt_log`) and its reason."""
         return self._send(Calls.get_sample(job, sample_id))
 
-    def sample_tensors(self, job: JobRef, sample_id: str) -> dict:
+    def sample_tensors(self, job: JobRef, sample_id: str) -> dict[str, torch.Tensor]:
         """A stored sample's tensors as torch tensors: input_ids, loss_mask and layer_<i>."""
         call = Calls.sample_tensors(job, sample_id)
         resp = self._http.request(call.method, call.path)
@@ -221,7 +227,7 @@ class HsxClient:
         self,
         job: JobRef,
         name: str,
-        dest: str | os.PathLike | None = None,
+        dest: str | os.PathLike[str] | None = None,
         *,
         sha256: str | None = None,
         size: int | None = None,
@@ -267,7 +273,7 @@ class HsxClient:
         return self._fetch(job, dl)
 
     def download_job(
-        self, job: JobRef, directory: str | os.PathLike, *, on_progress: ShardProgress | None = None
+        self, job: JobRef, directory: str | os.PathLike[str], *, on_progress: ShardProgress | None = None
     ) -> Manifest:
         """Download every shard the manifest lists (each resumable and sha256-checked) into `directory`; once the
         job is finished, write manifest.json there too (last, atomically), so its presence means the folder is
@@ -288,7 +294,7 @@ class HsxClient:
             write_atomic(directory / "manifest.json", resp.content)
         return manifest
 
-    def verify(self, job: JobRef) -> dict:
+    def verify(self, job: JobRef) -> Report:
         """Have the service check a finished job's files: every shard's sha256, every sample's shapes, dtype and
         finite values. Returns its report ({"ok", "summary", "job_faults", "shard_faults", "sample_faults",
         "warnings", ...})."""

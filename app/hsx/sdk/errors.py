@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import httpx
@@ -105,10 +106,8 @@ def error_for(status: int, problem: dict[str, Any]) -> HsxError:
 def error_from_response(resp: httpx.Response) -> HsxError:
     """The typed error for an error response whose body has been read."""
     problem: Any = None
-    try:
+    with contextlib.suppress(ValueError):  # not JSON: described from the status line and text below
         problem = resp.json()
-    except ValueError:
-        pass
     if not isinstance(problem, dict) or not problem:
         problem = {"title": resp.reason_phrase, "detail": resp.text[:500]}
     problem.setdefault("status", resp.status_code)

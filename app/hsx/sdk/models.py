@@ -1,10 +1,12 @@
-"""Typed results. Jobs, samples and pages are the API's own schema classes (hsx.api.schemas), the
-manifest is hsx.manifest's, and the states are hsx.states'."""
+"""Typed results. Jobs, samples and pages are the wire models the service answers with (hsx.wire),
+the manifest is hsx.manifest's, and the states are hsx.states'."""
 
 from __future__ import annotations
 
-from hsx.api.schemas import AttemptOut as Attempt
-from hsx.api.schemas import (
+from hsx.manifest import Manifest, ManifestSample, ManifestShard
+from hsx.states import TERMINAL_JOB_STATES, JobState, SampleState
+from hsx.wire import AttemptOut as Attempt
+from hsx.wire import (
     Counts,
     Health,
     JobPage,
@@ -16,23 +18,20 @@ from hsx.api.schemas import (
     Tokens,
     WorkerList,
 )
-from hsx.api.schemas import JobOut as Job
-from hsx.api.schemas import SampleOut as Sample
-from hsx.api.schemas import ShardOut as Shard
-from hsx.api.schemas import WorkerOut as Worker
-from hsx.api.schemas import WriterOut as Writer
-from hsx.manifest import Manifest, ManifestSample, ManifestShard
-from hsx.states import TERMINAL_JOB_STATES, JobState, SampleState
+from hsx.wire import JobOut as Job
+from hsx.wire import SampleOut as Sample
+from hsx.wire import ShardOut as Shard
+from hsx.wire import WorkerOut as Worker
+from hsx.wire import WriterOut as Writer
 
 # The states in which a job changes no more (what `wait` waits for).
 TERMINAL_STATES = TERMINAL_JOB_STATES
 
 __all__ = [
+    "TERMINAL_STATES",
     "Attempt",
     "Counts",
     "Health",
-    "Worker",
-    "WorkerList",
     "Job",
     "JobPage",
     "JobState",
@@ -44,10 +43,11 @@ __all__ = [
     "SampleState",
     "Shard",
     "ShardList",
-    "TERMINAL_STATES",
     "Throughput",
     "ThroughputPoint",
     "TokenInfo",
     "Tokens",
+    "Worker",
+    "WorkerList",
     "Writer",
 ]

@@ -3,7 +3,27 @@
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypedDict
+
+
+class _Field(TypedDict):
+    field: str
+    message: str
+
+
+class FieldError(_Field, total=False):
+    """One entry of an invalid-input problem's `errors`: the field and what is wrong with it, and where
+    known the sample's index and id and the line it came from."""
+
+    sample_index: int
+    line: int
+    sample_id: str
+
+
+class Where(TypedDict, total=False):
+    """Where a sample came from besides its index: its line in a JSONL body or file."""
+
+    line: int
 
 
 class ServiceError(Exception):
@@ -31,7 +51,7 @@ class ServiceError(Exception):
 class InvalidInput(ServiceError):
     """Input that fails its checks; `errors` name each failing field (and sample, and line)."""
 
-    def __init__(self, errors: list[dict], detail: str | None = None):
+    def __init__(self, errors: list[FieldError], detail: str | None = None):
         first = errors[0]
         where = f"sample {first['sample_index']} " if first.get("sample_index") is not None else ""
         super().__init__(
@@ -45,10 +65,10 @@ class InvalidInput(ServiceError):
     @classmethod
     def from_pydantic(cls, errs: Any) -> InvalidInput:
         """Pydantic's errors as problem entries; a sample's errors name its index and field."""
-        errors = []
+        errors: list[FieldError] = []
         for err in errs:
             loc = [p for p in err.get("loc", ()) if p != "body"]
-            entry: dict = {"field": ".".join(str(p) for p in loc) or "body", "message": err.get("msg", "invalid")}
+            entry: FieldError = {"field": ".".join(str(p) for p in loc) or "body", "message": err.get("msg", "invalid")}
             if len(loc) >= 2 and loc[0] == "samples" and isinstance(loc[1], int):
                 entry["sample_index"] = loc[1]
                 entry["field"] = ".".join(str(p) for p in loc[2:]) or "sample"

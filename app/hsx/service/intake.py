@@ -20,15 +20,15 @@ import numpy as np
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from hsx.api.schemas import MAX_TOKEN_ID, SampleIn, parse_body
 from hsx.db.locks import hold_disk_budget
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from hsx.names import shown
-from hsx.service.errors import InsufficientStorage, InvalidInput, OutsideInputRoot
+from hsx.service.errors import FieldError, InsufficientStorage, InvalidInput, OutsideInputRoot, Where
 from hsx.service.lines import LineSplitter, LineTooLongError
 from hsx.service.spool import SampleSpool
+from hsx.wire import MAX_TOKEN_ID, SampleIn, parse_body
 
 if TYPE_CHECKING:
     from _hashlib import HASH
@@ -63,14 +63,14 @@ class Ingest:
 
     def __init__(self, limits: Limits):
         self.limits = limits
-        self.errors: list[dict] = []
+        self.errors: list[FieldError] = []
         self.count = 0
         self.spool = SampleSpool()
         # 8-byte keyed digests of the ids seen: duplicate detection without holding every id string.
         # The key is per process, so ids cannot be chosen to collide and force the slow check.
         self.seen: set[bytes] = set()
 
-    def feed(self, index: int, item: SampleIn | list[dict], where: dict) -> None:
+    def feed(self, index: int, item: SampleIn | list[FieldError], where: Where) -> None:
         self.count += 1
         if isinstance(item, list):  # parse errors, already shaped as error entries
             self.errors.extend(item)
@@ -100,7 +100,7 @@ class Ingest:
         # A digest seen before: compare the real ids.
         return self.spool.has_sample_id(sid)
 
-    def _check(self, index: int, sample: SampleIn, where: dict) -> NewSample | None:
+    def _check(self, index: int, sample: SampleIn, where: Where) -> NewSample | None:
         sid = sample.id if sample.id is not None else str(index)
         bad = len(self.errors)
 
@@ -180,7 +180,7 @@ class DiskCheck:
         raise InsufficientStorage(text, needed=needed, pending=pending, free=free)
 
 
-def parse_sample(index: int, text: bytes | bytearray, where: dict) -> tuple[int, SampleIn | list[dict], dict]:
+def parse_sample(index: int, text: bytes | bytearray, where: Where) -> tuple[int, SampleIn | list[FieldError], Where]:
     """One sample's JSON text (a JSONL line, or one element of an inline `samples` array) as a sample,
     or as the errors that say why it is not one. The text is parsed and checked in one pass by
     pydantic's JSON parser (no intermediate Python dict)."""
@@ -233,7 +233,7 @@ def ingest_file(ingest: Ingest, path: Path, max_line: int, relative: str) -> Non
     """A JSONL file under the input root (`relative`, as the request named it), read a block at a time."""
     reader = JsonlReader(ingest, max_line)
     try:
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 - opened apart from the `with` below: only its OSError is unreadable
     except OSError as exc:
         raise _unreadable(relative, _why(exc)) from None
     try:

@@ -6,9 +6,10 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import AsyncIterable
 from functools import partial
 from pathlib import Path
-from typing import AsyncIterable
+from typing import Any
 
 from anyio.to_thread import run_sync
 from sqlalchemy.exc import IntegrityError
@@ -258,7 +259,7 @@ def job_manifest(*, session: Session, job_id: str, output_root: Path) -> Manifes
     return manifest
 
 
-def verify_job(*, session: Session, job_id: str, output_root: Path) -> dict:
+def verify_job(*, session: Session, job_id: str, output_root: Path) -> dict[str, Any]:
     """The verification report of a finished job's folder against its manifest."""
     job = get_job(session=session, job_id=job_id)
     folder = job_dir(output_root, job.id)

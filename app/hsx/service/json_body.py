@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 from pydantic import ValidationError
 
-from hsx.api.schemas import JobCreate, parse_body
 from hsx.service.errors import InvalidInput
+from hsx.wire import JobCreate, parse_body
 
 Body = bytes | bytearray
 
@@ -97,7 +97,7 @@ def _members(body: Body) -> list[tuple[str, tuple[int, int]]]:
         pos = _skip_ws(body, pos + 1)
 
 
-def _at_end(body: Body, pos: int, members: list) -> list:
+def _at_end(body: Body, pos: int, members: list[tuple[str, tuple[int, int]]]) -> list[tuple[str, tuple[int, int]]]:
     pos = _skip_ws(body, pos)
     if pos != len(body):
         raise _Malformed(pos, "unexpected data after the object")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 import tempfile
-from typing import Generator, Iterator
+from collections.abc import Generator, Iterator
 
 from hsx.db.repository import NewSample
 
@@ -27,7 +27,7 @@ _HEADER = struct.Struct("<IIB")
 
 class SampleSpool:
     def __init__(self) -> None:
-        self._file = tempfile.SpooledTemporaryFile(max_size=MEMORY_BYTES)
+        self._file = tempfile.SpooledTemporaryFile(max_size=MEMORY_BYTES)  # noqa: SIM115 - the spool's own, closed by close()
         self._pending = bytearray()  # records not yet written: one write per WRITE_BYTES, not three a sample
         self.count = 0
         self.tokens = 0

@@ -1,11 +1,15 @@
-"""The API's view of stored rows: jobs with their progress, samples with their attempts, shards, throughput."""
+"""Stored rows as the API shows them (hsx.wire): jobs with their progress, samples with their attempts,
+shards, throughput, writers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Sequence
 
-from hsx.api.schemas import (
+from hsx.db import repository as repo
+from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
+from hsx.states import JobState
+from hsx.wire import (
     AttemptOut,
     Counts,
     JobOut,
@@ -14,11 +18,10 @@ from hsx.api.schemas import (
     Throughput,
     ThroughputPoint,
     Tokens,
+    WorkerOut,
+    WriterOut,
     utc,
 )
-from hsx.db import repository as repo
-from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow
-from hsx.states import JobState
 
 
 def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
@@ -129,4 +132,37 @@ def _point(p: repo.ThroughputPoint) -> ThroughputPoint:
         samples=p.samples,
         tokens=p.tokens,
         tokens_per_s=round(p.tokens / seconds, 3) if seconds > 0 else 0.0,
+    )
+
+
+def writer_out(w: WriterRow) -> WriterOut:
+    """A live writer, as /healthz lists it."""
+    return WriterOut(
+        identity=w.identity,
+        state=w.state,
+        reason=w.reason,
+        server=w.server,
+        heartbeat_at=utc(w.heartbeat_at),
+        tokens_per_s=(w.stats or {}).get("tokens_per_s"),
+    )
+
+
+def worker_out(w: WriterRow) -> WorkerOut:
+    """A writer with its model server, layers and lease, as /v1/workers lists it."""
+    server, stats = w.server or {}, w.stats or {}
+    return WorkerOut(
+        identity=w.identity,
+        state=w.state,
+        reason=w.reason,
+        backend_url=server.get("url"),
+        model_path=server.get("model_path"),
+        model_key=server.get("model_key"),
+        layers=server.get("layers"),
+        source=server.get("source"),
+        started_at=utc(w.started_at),
+        heartbeat_at=utc(w.heartbeat_at),
+        lease_expires_at=utc(w.lease_expires_at),
+        lease=w.epoch,
+        samples_staged=stats.get("samples_staged"),
+        tokens_per_s=stats.get("tokens_per_s"),
     )

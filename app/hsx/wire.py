@@ -1,4 +1,8 @@
-"""Request and response bodies of the HTTP API."""
+"""Request and response bodies of the HTTP API: the wire models.
+
+The bottom floor shared by the routes (hsx.api), what they call (hsx.service) and the client (hsx.sdk), so
+that each of them reads one definition of every body and none imports another for it. It imports only
+hsx.states, hsx.names and hsx.layers."""
 
 from __future__ import annotations
 
@@ -131,7 +135,7 @@ class JobCreate(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _one_source(self):
+    def _one_source(self) -> JobCreate:
         if (self.samples is None) == (self.input_path is None):
             raise ValueError("give exactly one of samples or input_path")
         return self
@@ -184,7 +188,7 @@ class JobOut(BaseModel):
     )
     disk_warning: str | None = Field(description="set when the output volume looked too small at creation")
     layers: list[int] | None
-    model: dict | None
+    model: dict[str, Any] | None
     manifest_url: str
 
 
@@ -266,7 +270,7 @@ class WriterOut(BaseModel):
     identity: str = Field(description="host:dump root")
     state: str = Field(description="starting, ready, waiting, refusing or stopped")
     reason: str | None = Field(description="why it is not ready")
-    server: dict | None = Field(
+    server: dict[str, Any] | None = Field(
         description="the model server it extracts from, as last checked (GET /v1/workers "
         "has every writer with its lease)"
     )
@@ -277,7 +281,7 @@ class WriterOut(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "degraded"]
     database: str
-    writer: dict | None = Field(
+    writer: dict[str, Any] | None = Field(
         description="this process's writer, when it runs one: identity, state, reason, server, tokens_per_s "
         "(with --api-tokens and no token: its state only)"
     )

@@ -1,0 +1,134 @@
+"""Every database query the service makes, and the one place sample and job states change
+(hsx.db.repository.transitions), one module per aggregate:
+
+- jobs: creating a job with its samples; cancel, retry, delete, fail and finish a job as a whole;
+- samples: a writer's claim of the next sample, its attempts, what it staged or left behind;
+- shards: numbering and recording written shards;
+- reads: jobs, samples, attempts and shards, one or a page at a time;
+- throughput: what each job extracted over time;
+- writers: registration, leases and their takeover, who is live;
+- output_root: the output root the jobs write to.
+
+Callers use the package, `from hsx.db import repository as repo; repo.claim_next(...)`: every public
+name of the modules is here.
+"""
+
+from __future__ import annotations
+
+from hsx.db.repository._base import utcnow
+from hsx.db.repository.jobs import (
+    JobBuilder,
+    NewSample,
+    cancel_job,
+    cancel_queued,
+    cancelling_jobs,
+    create_job,
+    delete_job,
+    fail_job,
+    final_state,
+    finish_job_if_done,
+    job_by_idempotency_key,
+    new_job_id,
+    pending_output_bytes,
+    retry_failed,
+    set_job_model_info,
+)
+from hsx.db.repository.output_root import record_output_root, recorded_output_root
+from hsx.db.repository.reads import (
+    get_job,
+    get_sample,
+    get_shard,
+    iter_stored_samples,
+    job_shards,
+    jobs_by_state,
+    list_jobs,
+    list_samples,
+    ping,
+    sample_attempts,
+    samples_by_state,
+)
+from hsx.db.repository.samples import (
+    Claimed,
+    claim_next,
+    mark_staged,
+    queued_left,
+    record_failed_attempt,
+    recover_writer,
+    reject_staged,
+    release_interrupted,
+    requeue_staged,
+    running_samples,
+    staged_samples,
+)
+from hsx.db.repository.shards import commit_shard, reserve_shard_number
+from hsx.db.repository.throughput import THROUGHPUT_BUCKET_S, ThroughputPoint, job_throughput
+from hsx.db.repository.writers import (
+    WRITER_STALE_S,
+    LeaseLost,
+    all_writers,
+    check_lease,
+    expire_leases,
+    live_writers,
+    register_writer,
+    renew_lease,
+    report_writer_stopped,
+    waiting,
+)
+
+__all__ = [
+    "THROUGHPUT_BUCKET_S",
+    "WRITER_STALE_S",
+    "Claimed",
+    "JobBuilder",
+    "LeaseLost",
+    "NewSample",
+    "ThroughputPoint",
+    "all_writers",
+    "cancel_job",
+    "cancel_queued",
+    "cancelling_jobs",
+    "check_lease",
+    "claim_next",
+    "commit_shard",
+    "create_job",
+    "delete_job",
+    "expire_leases",
+    "fail_job",
+    "final_state",
+    "finish_job_if_done",
+    "get_job",
+    "get_sample",
+    "get_shard",
+    "iter_stored_samples",
+    "job_by_idempotency_key",
+    "job_shards",
+    "job_throughput",
+    "jobs_by_state",
+    "list_jobs",
+    "list_samples",
+    "live_writers",
+    "mark_staged",
+    "new_job_id",
+    "pending_output_bytes",
+    "ping",
+    "queued_left",
+    "record_failed_attempt",
+    "record_output_root",
+    "recorded_output_root",
+    "recover_writer",
+    "register_writer",
+    "reject_staged",
+    "release_interrupted",
+    "renew_lease",
+    "report_writer_stopped",
+    "requeue_staged",
+    "reserve_shard_number",
+    "retry_failed",
+    "running_samples",
+    "sample_attempts",
+    "samples_by_state",
+    "set_job_model_info",
+    "staged_samples",
+    "utcnow",
+    "waiting",
+]

@@ -1,0 +1,276 @@
+"""Jobs: creating one with its samples, and what is done to a job as a whole (cancel, retry, delete,
+fail, finish)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from sqlalchemy import case, delete, func, select, update
+from sqlalchemy.orm import Session
+
+from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, ThroughputRow
+from hsx.db.repository._base import _rowcount, utcnow
+from hsx.db.repository.transitions import ALL, _lock_job, _transition
+from hsx.matching import Serves, layers_key
+from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
+
+if TYPE_CHECKING:
+    import psycopg
+
+
+def new_job_id() -> str:
+    # Time-ordered so that ids sort by creation: cursor pagination and claim order rely on it.
+    return f"job_{int(time.time() * 1000):012x}{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class NewSample:
+    sample_id: str
+    input_ids: bytes  # little-endian int32
+    loss_mask: bytes | None  # one byte per token; None means all ones
+    num_tokens: int
+
+
+_SAMPLE_INSERT_COLUMNS = (
+    "job_id",
+    "idx",
+    "sample_id",
+    "state",
+    "input_ids",
+    "loss_mask",
+    "num_tokens",
+    "attempts",
+    "tries",
+    "updated_at",
+)
+
+
+class JobBuilder:
+    """Insert a job and its samples batch by batch inside the caller's transaction.
+
+    Samples can stream in (a JSONL upload of a million lines never sits in memory whole); the
+    job's counters are set once at the end, and a rollback leaves nothing behind.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        *,
+        name: str | None,
+        layers: list[int] | None,
+        idempotency_key: str | None = None,
+        request_sha256: str | None = None,
+    ):
+        self.session = session
+        self.job = JobRow(
+            id=new_job_id(),
+            name=name,
+            state=JobState.QUEUED,
+            created_at=utcnow(),
+            layers=layers,
+            layers_key=layers_key(layers),
+            idempotency_key=idempotency_key,
+            request_sha256=request_sha256,
+            num_samples=0,
+            tokens_total=0,
+            tokens_done=0,
+            tokens_staged=0,
+            n_queued=0,
+            n_running=0,
+            n_staged=0,
+            n_succeeded=0,
+            n_failed=0,
+            n_cancelled=0,
+            shards_written=0,
+        )
+        session.add(self.job)
+        session.flush()
+        self.count = 0
+        self.tokens = 0
+
+    def add(self, samples: list[NewSample]) -> None:
+        if not samples:
+            return
+        # A million-sample job is a million rows: they go to the driver's bulk path as plain tuples
+        # (COPY on Postgres, executemany on SQLite), skipping a Core insert's per-row parameter
+        # processing. Only updated_at needs the column type's conversion, one value for all rows.
+        conn = self.session.connection()
+        updated_at = SampleRow.__table__.c.updated_at.type.bind_processor(conn.dialect)
+        now = updated_at(self.job.created_at) if updated_at else self.job.created_at
+        job_id, first = self.job.id, self.count
+        rows = [
+            (job_id, first + i, s.sample_id, SampleState.QUEUED, s.input_ids, s.loss_mask, s.num_tokens, 0, 0, now)
+            for i, s in enumerate(samples)
+        ]
+        columns = ", ".join(_SAMPLE_INSERT_COLUMNS)
+        if conn.dialect.name == "postgresql":
+            # COPY is psycopg's, not the DB-API's; make_engine always picks psycopg for Postgres.
+            driver = cast("psycopg.Connection[Any]", conn.connection.driver_connection)
+            with driver.cursor() as cursor, cursor.copy(f"COPY samples ({columns}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+        else:
+            marks = ", ".join("?" * len(_SAMPLE_INSERT_COLUMNS))
+            conn.exec_driver_sql(f"INSERT INTO samples ({columns}) VALUES ({marks})", rows)
+        self.count += len(samples)
+        self.tokens += sum(s.num_tokens for s in samples)
+
+    def finish(self) -> JobRow:
+        self.job.num_samples = self.job.n_queued = self.count
+        self.job.tokens_total = self.tokens
+        self.session.flush()
+        return self.job
+
+
+def create_job(session: Session, *, name: str | None, layers: list[int] | None, samples: list[NewSample]) -> JobRow:
+    """Insert a job and all its samples, queued, in the caller's transaction."""
+    builder = JobBuilder(session, name=name, layers=layers)
+    for start in range(0, len(samples), 5000):
+        builder.add(samples[start : start + 5000])
+    return builder.finish()
+
+
+def pending_output_bytes(session: Session, *, besides: str | None = None) -> int:
+    """Bytes the active jobs (all but the job `besides`) have still to write, from their estimates and
+    progress."""
+    q = select(JobRow.estimated_bytes, JobRow.tokens_total, JobRow.tokens_done).where(
+        JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), JobRow.estimated_bytes.is_not(None)
+    )
+    if besides is not None:
+        q = q.where(JobRow.id != besides)
+    rows = session.execute(q).all()
+    return sum(int(estimated * (total - done) / total) for estimated, total, done in rows if estimated and total)
+
+
+def job_by_idempotency_key(session: Session, key: str) -> JobRow | None:
+    return session.execute(select(JobRow).where(JobRow.idempotency_key == key)).scalar_one_or_none()
+
+
+def cancel_job(session: Session, job_id: str) -> JobRow | None:
+    """Mark the job cancelling: no sample of it is claimed from now on, and its queued samples are
+    cancelled afterwards, batch by batch (cancel_queued), so that the request answers at once
+    whatever the job's size; running or staged ones finish and are stored. Returns None when the
+    job is not queued or running (finished, or already cancelling)."""
+    job = _lock_job(session, job_id)
+    if job is None or job.state not in (JobState.QUEUED, JobState.RUNNING):
+        return None
+    job.state, job.cancel_requested_at = JobState.CANCELLING, utcnow()
+    session.flush()
+    return job
+
+
+def cancelling_jobs(session: Session) -> list[str]:
+    """The jobs being cancelled, oldest first: those whose queued samples or end are still due."""
+    return list(
+        session.execute(select(JobRow.id).where(JobRow.state == JobState.CANCELLING).order_by(JobRow.id)).scalars()
+    )
+
+
+def cancel_queued(session: Session, job_id: str, limit: int) -> int:
+    """Cancel up to `limit` queued samples of a cancelling job (the first in input order); returns how
+    many. Each call cancels what is still queued under the job-row lock, so calls from several
+    processes at once only take turns, and one repeated after a crash does no harm."""
+    job = _lock_job(session, job_id)
+    if job is None or job.state != JobState.CANCELLING or not job.n_queued:
+        return 0
+    # The index on (job_id, state, idx) finds the batch's last sample without reading the rows;
+    # fewer than `limit` left: all of them.
+    last = session.execute(
+        select(SampleRow.idx)
+        .where(SampleRow.job_id == job_id, SampleRow.state == SampleState.QUEUED)
+        .order_by(SampleRow.idx)
+        .offset(max(limit, 1) - 1)
+        .limit(1)
+    ).scalar()
+    return _transition(
+        session, job_id, ALL, SampleState.QUEUED, SampleState.CANCELLED, {"writer": None}, through_idx=last
+    )
+
+
+def retry_failed(session: Session, job_id: str) -> int | None:
+    """Queue the job's failed samples again with a fresh attempt budget. None: not allowed now."""
+    job = _lock_job(session, job_id)
+    if job is None or job.state in (JobState.CANCELLING, JobState.CANCELLED) or job.n_failed == 0:
+        return None
+    moved = _transition(session, job_id, ALL, SampleState.FAILED, SampleState.QUEUED, {"attempts": 0, "writer": None})
+    session.execute(
+        update(JobRow)
+        .where(JobRow.id == job_id)
+        .values(
+            state=case((JobRow.started_at.is_(None), JobState.QUEUED), else_=JobState.RUNNING),
+            finished_at=None,
+            error=None,
+        )
+    )
+    return moved
+
+
+def delete_job(session: Session, job_id: str) -> bool | None:
+    """Delete a finished job's rows. None: not found; False: not finished yet."""
+    job = _lock_job(session, job_id)
+    if job is None:
+        return None
+    if job.state not in TERMINAL_JOB_STATES:
+        return False
+    sample_pks = select(SampleRow.pk).where(SampleRow.job_id == job_id)
+    session.execute(delete(AttemptRow).where(AttemptRow.sample_pk.in_(sample_pks)))
+    session.execute(delete(SampleRow).where(SampleRow.job_id == job_id))
+    session.execute(delete(ShardRow).where(ShardRow.job_id == job_id))
+    session.execute(delete(ThroughputRow).where(ThroughputRow.job_id == job_id))
+    session.execute(delete(JobRow).where(JobRow.id == job_id))
+    return True
+
+
+def set_job_model_info(session: Session, job_id: str, info: dict[str, Any], serves: Serves) -> dict[str, Any]:
+    """Record the model the job's first dump came from, and from then on which workers may claim
+    its samples (those serving that model and those layers); return what is recorded."""
+    session.execute(
+        update(JobRow)
+        .where(JobRow.id == job_id, JobRow.model_info.is_(None))
+        .values(
+            model_info=info,
+            model_key=serves.model,
+            layers_key=func.coalesce(JobRow.layers_key, layers_key(info.get("layers"))),
+        )
+    )
+    return session.execute(select(JobRow.model_info).where(JobRow.id == job_id)).scalar_one()
+
+
+def final_state(job: JobRow) -> JobState | None:
+    """The state a job ends in once nothing is queued, running or staged; None before that."""
+    if job.state not in ACTIVE_JOB_STATES or job.n_queued or job.n_running or job.n_staged:
+        return None
+    if job.state == JobState.CANCELLING:
+        return JobState.CANCELLED
+    return JobState.FAILED if job.n_failed else JobState.SUCCEEDED
+
+
+def finish_job_if_done(session: Session, job_id: str) -> bool:
+    """Move a job to its terminal state (final_state's rule) once no sample is queued, running or staged."""
+    job = _lock_job(session, job_id)
+    if job is None:
+        return False
+    state = final_state(job)
+    if state is None:
+        return False
+    result = session.execute(
+        update(JobRow)
+        .where(
+            JobRow.id == job_id,
+            JobRow.state == job.state,
+            JobRow.n_queued == 0,
+            JobRow.n_running == 0,
+            JobRow.n_staged == 0,
+        )
+        .values(state=state, finished_at=utcnow())
+    )
+    return _rowcount(result) == 1
+
+
+def fail_job(session: Session, job_id: str, reason: str) -> None:
+    """A job that cannot run at all (e.g. server settings that break dumps): fail what is queued."""
+    session.execute(update(JobRow).where(JobRow.id == job_id).values(error=reason))
+    _transition(session, job_id, ALL, SampleState.QUEUED, SampleState.FAILED, {"last_error": reason})

@@ -1,0 +1,386 @@
+"""A writer's samples: claiming the next one, its attempts and their outcomes, what it staged, and what
+it left behind when it stopped."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import ColumnElement, Select, Update, bindparam, case, exists, func, insert, or_, select, update
+from sqlalchemy.orm import Session
+
+from hsx.db.models import AttemptRow, SampleRow
+from hsx.db.repository._base import PKS_PER_QUERY, _attempts, _dialect, _jobs, _now_param, _samples, utcnow
+from hsx.db.repository.throughput import _count_throughput
+from hsx.db.repository.transitions import _requeue_state, _transition
+from hsx.matching import Serves
+from hsx.states import JobState, SampleState
+
+
+@dataclass(frozen=True)
+class Claimed:
+    sample_pk: int
+    job_id: str
+    idx: int
+    sample_id: str
+    input_ids: bytes
+    loss_mask: bytes | None
+    num_tokens: int
+    attempt: int  # budget spent, this one included
+    try_number: int  # unique per claim of this sample: names its request and staging folder
+    attempt_pk: int
+    job_layers: list[int] | None
+    job_model_info: dict[str, Any] | None
+    queued_left: int = 0  # the job's samples still queued after this claim
+
+
+def claim_next(session: Session, writer: str, serves: Serves | None = None) -> Claimed | None:
+    """Take the oldest queued sample for `writer`, unless that writer already runs one; with
+    `serves`, only of a job that worker may run (hsx.matching).
+
+    Lock order is the same on every path that moves samples of a job: the job row first, then
+    sample rows. So the claim locks the oldest job with queued samples before its sample; on
+    Postgres a claim racing a cancel (job, then its queued samples) would otherwise deadlock.
+    Claims on one job serialise on that row anyway (each updates its counters); SKIP LOCKED on
+    the sample and the partial unique index on running samples per writer are the backstops.
+    SQLite serialises writers by itself and ignores the row locks.
+    """
+    serves = serves or Serves(None, None)
+    statements = _claim(_dialect(session), serves.layers is not None, serves.model is not None)
+    now = utcnow()
+    params = {"p_writer": writer, "p_now": now, "p_layers": serves.layers, "p_model": serves.model}
+    job_id = session.execute(statements.job, params).scalar()
+    if job_id is None:
+        return None
+    params["p_job"] = job_id
+    row = session.execute(statements.sample, params).first()
+    if row is None:
+        return None
+    job = session.execute(statements.counters, params).one()
+    attempt_pk = session.execute(
+        statements.attempt, {"p_pk": row.pk, "p_number": row.tries, "p_writer": writer, "p_now": now}
+    ).scalar_one()
+    return Claimed(
+        row.pk,
+        job_id,
+        row.idx,
+        row.sample_id,
+        row.input_ids,
+        row.loss_mask,
+        row.num_tokens,
+        row.attempts,
+        row.tries,
+        attempt_pk,
+        job.layers,
+        job.model_info,
+        job.n_queued,
+    )
+
+
+@dataclass(frozen=True)
+class _ClaimStatements:
+    job: Any  # the oldest job the worker may claim from that has a queued sample, locked
+    sample: Any  # that job's first queued sample, now running for the writer unless it runs one
+    counters: Any  # the job's counters (and state: running from its first claim), returning what the claim needs
+    attempt: Any  # the attempt's row
+
+
+@functools.cache
+def _claim(dialect: str, by_layers: bool, by_model: bool) -> _ClaimStatements:
+    # The queued rows themselves, not the n_queued counter, say whether a job has work: a job can
+    # never be picked for nothing while another waits.
+    has_queued = exists().where(_samples.c.job_id == _jobs.c.id, _samples.c.state == SampleState.QUEUED)
+    keys = ((_jobs.c.layers_key, "p_layers", by_layers), (_jobs.c.model_key, "p_model", by_model))
+    # hsx.matching: jobs of no key yet, or of the worker's own
+    runs_on = [or_(column.is_(None), column == bindparam(param)) for column, param, wanted in keys if wanted]
+    job = (
+        select(_jobs.c.id)
+        .where(_jobs.c.state.in_((JobState.QUEUED, JobState.RUNNING)), *runs_on, has_queued)
+        .order_by(_jobs.c.id)
+        .limit(1)
+        .with_for_update(of=_jobs)
+    )
+    pick = (
+        select(_samples.c.pk)
+        .where(_samples.c.job_id == bindparam("p_job"), _samples.c.state == SampleState.QUEUED)
+        .order_by(_samples.c.idx)
+        .limit(1)
+    )
+    if dialect == "postgresql":
+        pick = pick.with_for_update(skip_locked=True)
+    other = _samples.alias("other")
+    busy = exists().where(other.c.state == SampleState.RUNNING, other.c.writer == bindparam("p_writer"))
+    sample = (
+        update(_samples)
+        .where(_samples.c.pk == pick.scalar_subquery(), _samples.c.state == SampleState.QUEUED, ~busy)
+        .values(
+            state=SampleState.RUNNING,
+            writer=bindparam("p_writer"),
+            attempts=_samples.c.attempts + 1,
+            tries=_samples.c.tries + 1,
+            updated_at=_now_param(),
+        )
+        .returning(
+            _samples.c.pk,
+            _samples.c.idx,
+            _samples.c.sample_id,
+            _samples.c.input_ids,
+            _samples.c.loss_mask,
+            _samples.c.num_tokens,
+            _samples.c.attempts,
+            _samples.c.tries,
+        )
+    )
+    first = _jobs.c.state == JobState.QUEUED
+    counters = (
+        update(_jobs)
+        .where(_jobs.c.id == bindparam("p_job"))
+        .values(
+            n_queued=_jobs.c.n_queued - 1,
+            n_running=_jobs.c.n_running + 1,
+            state=case((first, JobState.RUNNING), else_=_jobs.c.state),
+            started_at=case((first, _now_param()), else_=_jobs.c.started_at),
+        )
+        .returning(_jobs.c.n_queued, _jobs.c.layers, _jobs.c.model_info)
+    )
+    attempt = (
+        insert(_attempts)
+        .values(
+            sample_pk=bindparam("p_pk"),
+            number=bindparam("p_number"),
+            writer=bindparam("p_writer"),
+            started_at=_now_param(),
+        )
+        .returning(_attempts.c.pk)
+    )
+    return _ClaimStatements(job, sample, counters, attempt)
+
+
+def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str | None = None, **fields: Any) -> None:
+    params = {"p_pk": attempt_pk, "p_outcome": outcome, "p_reason": reason, "p_now": utcnow()}
+    session.execute(_attempt_close(tuple(sorted(fields))), params | {f"v_{k}": v for k, v in fields.items()})
+
+
+@functools.cache
+def _attempt_close(columns: tuple[str, ...]) -> Update:
+    return (
+        update(_attempts)
+        .where(_attempts.c.pk == bindparam("p_pk"))
+        .values(
+            outcome=bindparam("p_outcome"),
+            reason=bindparam("p_reason"),
+            finished_at=_now_param(),
+            **{c: bindparam(f"v_{c}") for c in columns},
+        )
+    )
+
+
+def mark_staged(
+    session: Session,
+    c: Claimed,
+    *,
+    writer: str,
+    staged_path: str,
+    observed_tokens: int,
+    dump_key: str | None,
+    boot_id: str | None,
+    identity: str | None,
+) -> bool:
+    """The dump is validated and out of the root. `writer` is the dump root's writer (not the
+    in-flight slot that ran it): the writer's shard flusher takes it from here. `identity` is what
+    proved the dump the sample's (hsx.identity)."""
+    _close_attempt(
+        session,
+        c.attempt_pk,
+        "ok",
+        dump_key=dump_key,
+        observed_tokens=observed_tokens,
+        boot_id=boot_id,
+        identity=identity,
+    )
+    moved = _transition(
+        session,
+        c.job_id,
+        [c.sample_pk],
+        SampleState.RUNNING,
+        SampleState.STAGED,
+        {
+            "staged_path": staged_path,
+            "observed_tokens": observed_tokens,
+            "last_error": None,
+            "writer": writer,
+            "identity": identity,
+        },
+    )
+    if moved:
+        _count_throughput(session, c.job_id, samples=1, tokens=observed_tokens)
+    return moved == 1
+
+
+def queued_left(session: Session, job_id: str) -> int:
+    """How many of the job's samples are queued (0 for a job that is gone)."""
+    return session.execute(_queued_count(), {"p_job": job_id}).scalar() or 0
+
+
+@functools.cache
+def _queued_count() -> Select[Any]:
+    return select(_jobs.c.n_queued).where(_jobs.c.id == bindparam("p_job"))
+
+
+def record_failed_attempt(
+    session: Session,
+    c: Claimed,
+    *,
+    reason: str,
+    max_attempts: int,
+    observed_tokens: int | None = None,
+    dump_key: str | None = None,
+    boot_id: str | None = None,
+) -> SampleState:
+    """Close a failed attempt; queue the sample again, or fail it once its budget is spent."""
+    final = c.attempt >= max_attempts
+    _close_attempt(
+        session,
+        c.attempt_pk,
+        "failed" if final else "retry",
+        reason,
+        observed_tokens=observed_tokens,
+        dump_key=dump_key,
+        boot_id=boot_id,
+    )
+    dst = SampleState.FAILED if final else _requeue_state(session, c.job_id)
+    values = {"last_error": reason, "observed_tokens": observed_tokens}
+    if not final:
+        values["writer"] = None
+    _transition(session, c.job_id, [c.sample_pk], SampleState.RUNNING, dst, values)
+    return dst
+
+
+def release_interrupted(session: Session, c: Claimed, *, reason: str) -> None:
+    """Give the sample back without spending an attempt: the server, not the sample, failed."""
+    _close_attempt(session, c.attempt_pk, "interrupted", reason)
+    _transition(
+        session,
+        c.job_id,
+        [c.sample_pk],
+        SampleState.RUNNING,
+        _requeue_state(session, c.job_id),
+        {"writer": None, "attempts": SampleRow.attempts - 1, "last_error": reason},
+    )
+
+
+def _writer_or_slots(writer: str) -> ColumnElement[bool]:
+    """The writer itself or any of its in-flight slots ("<writer>#<n>")."""
+    return or_(SampleRow.writer == writer, SampleRow.writer.startswith(writer + "#", autoescape=True))
+
+
+def recover_writer(
+    session: Session,
+    writer: str,
+    staged_exists: Callable[[str], bool],
+    *,
+    why: str = "service stopped during the attempt",
+) -> tuple[int, int]:
+    """At writer start: its running samples were interrupted by a crash; staged ones keep their
+    place only if their staged files survived. Returns (requeued, kept staged)."""
+    requeued = kept = 0
+    running = session.execute(
+        select(SampleRow.pk, SampleRow.job_id).where(_writer_or_slots(writer), SampleRow.state == SampleState.RUNNING)
+    ).all()
+    for pk, job_id in running:
+        session.execute(
+            update(AttemptRow)
+            .where(AttemptRow.sample_pk == pk, AttemptRow.outcome.is_(None))
+            .values(outcome="interrupted", reason=why, finished_at=utcnow())
+        )
+        requeued += _transition(
+            session,
+            job_id,
+            [pk],
+            SampleState.RUNNING,
+            _requeue_state(session, job_id),
+            {"writer": None, "attempts": SampleRow.attempts - 1},
+        )
+    staged = session.execute(
+        select(SampleRow.pk, SampleRow.job_id, SampleRow.staged_path).where(
+            SampleRow.writer == writer, SampleRow.state == SampleState.STAGED
+        )
+    ).all()
+    for pk, job_id, path in staged:
+        if path and staged_exists(path):
+            kept += 1
+        else:
+            requeued += _transition(
+                session,
+                job_id,
+                [pk],
+                SampleState.STAGED,
+                _requeue_state(session, job_id),
+                {
+                    "writer": None,
+                    "staged_path": None,
+                    "attempts": SampleRow.attempts - 1,
+                    "last_error": "staged dump was lost before its shard was written",
+                },
+            )
+    return requeued, kept
+
+
+def staged_samples(
+    session: Session, writer: str, job_id: str | None = None, *, pks: list[int] | None = None
+) -> list[SampleRow]:
+    """The writer's staged samples (of one job, and of those `pks` only, if given), in job order."""
+    q = select(SampleRow).where(SampleRow.writer == writer, SampleRow.state == SampleState.STAGED)
+    if job_id is not None:
+        q = q.where(SampleRow.job_id == job_id)
+    if pks is None:
+        return list(session.execute(q.order_by(SampleRow.job_id, SampleRow.idx)).scalars())
+    # A shard of small samples names many thousands: asked in parts, each within any database's limit on parameters.
+    rows = [
+        row
+        for start in range(0, len(pks), PKS_PER_QUERY)
+        for row in session.execute(q.where(SampleRow.pk.in_(pks[start : start + PKS_PER_QUERY]))).scalars()
+    ]
+    return sorted(rows, key=lambda r: (r.job_id, r.idx))
+
+
+def running_samples(session: Session, writer: str, job_id: str) -> int:
+    """How many of the job's samples the writer (or one of its in-flight slots) is running now."""
+    return session.execute(
+        select(func.count()).where(
+            SampleRow.job_id == job_id, SampleRow.state == SampleState.RUNNING, _writer_or_slots(writer)
+        )
+    ).scalar_one()
+
+
+def requeue_staged(session: Session, job_id: str, pks: list[int], reason: str) -> None:
+    _transition(
+        session,
+        job_id,
+        pks,
+        SampleState.STAGED,
+        _requeue_state(session, job_id),
+        {"writer": None, "staged_path": None, "last_error": reason},
+    )
+
+
+def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_attempts: int) -> SampleState:
+    """Writing the shard found what staging does not check (NaN or Inf among the values): the
+    attempt that staged the sample failed after all. Queue the sample again, or fail it once its
+    budget is spent; returns the state it went to."""
+    attempts, number = session.execute(select(SampleRow.attempts, SampleRow.tries).where(SampleRow.pk == pk)).one()
+    final = attempts >= max_attempts
+    session.execute(
+        update(AttemptRow)
+        .where(AttemptRow.sample_pk == pk, AttemptRow.number == number)
+        .values(outcome="failed" if final else "retry", reason=reason)
+    )
+    dst = SampleState.FAILED if final else _requeue_state(session, job_id)
+    values = {"last_error": reason, "staged_path": None}
+    if not final:
+        values["writer"] = None
+    if _transition(session, job_id, [pk], SampleState.STAGED, dst, values) != 1:
+        raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
+    return dst

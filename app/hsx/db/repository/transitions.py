@@ -1,0 +1,132 @@
+"""The one place sample and job states change.
+
+A sample's life: queued -> running -> staged -> succeeded, or back to queued for a retry,
+or failed / cancelled. Each move is a conditional UPDATE on the source state, and the job's
+per-state counters move in the same transaction, so progress never needs to count rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from sqlalchemy import ColumnElement, Select, Update, bindparam, case, func, select, update
+from sqlalchemy.orm import Session
+from sqlalchemy.sql.dml import ReturningUpdate
+
+from hsx.db.models import JobRow, SampleRow
+from hsx.db.repository._base import _jobs, _now_param, _rowcount, _samples, utcnow
+from hsx.states import JobState, SampleState
+
+
+def _lock_job(session: Session, job_id: str) -> JobRow | None:
+    """Read the job row for update: cancel, retry and sample outcomes on one job serialise here. The
+    row as locked, not as this session may have read it before the lock."""
+    return session.execute(
+        select(JobRow).where(JobRow.id == job_id).with_for_update().execution_options(populate_existing=True)
+    ).scalar_one_or_none()
+
+
+# Token counters that follow a sample's tokens in and out of a state.
+TOKEN_COUNTERS = {SampleState.STAGED: JobRow.tokens_staged, SampleState.SUCCEEDED: JobRow.tokens_done}
+
+
+ALL = None  # _transition's `pks` for "every sample of the job in that state"
+
+
+def _transition(
+    session: Session,
+    job_id: str,
+    pks: list[int] | None,
+    src: SampleState,
+    dst: SampleState,
+    values: dict[str, Any],
+    *,
+    through_idx: int | None = None,
+    per_sample: dict[str, dict[int, Any]] | None = None,
+) -> int:
+    """Move the samples (`pks`, or ALL of the job's, only those up to `through_idx` when given) that
+    are still in `src` to `dst`; keep the job's counters in step. `values` are set on every sample
+    moved, `per_sample` column values on each sample by its pk.
+
+    Lock order: the job row first, then sample rows, here and in claim_next, so that no two
+    transitions on one job can deadlock and none can change a state's membership behind another.
+    That makes ALL exact: one UPDATE on (job_id, state) whatever the job's size, with the count
+    and tokens it moves summed by the database beforehand; no million keys or values travel.
+    """
+    if pks is not None and not pks:
+        return 0
+    session.execute(_job_lock(), {"p_job": job_id})
+    now = utcnow()
+    if pks is ALL:
+        stamp = {"state": dst, "updated_at": now, **values}
+        which = [SampleRow.job_id == job_id, SampleRow.state == src]
+        if through_idx is not None:
+            which.append(SampleRow.idx <= through_idx)
+        rc, tokens = session.execute(
+            select(func.count(), func.coalesce(func.sum(SampleRow.num_tokens), 0)).where(*which)
+        ).one()
+        if rc:
+            result = session.execute(
+                update(SampleRow).where(*which).values(stamp).execution_options(synchronize_session=False)
+            )
+            if _rowcount(result) != rc:
+                raise RuntimeError(f"job {job_id}: {_rowcount(result)} samples left {src}, {rc} were counted")
+    else:
+        if per_sample or any(isinstance(v, ColumnElement) for v in values.values()):
+            # Rare moves (SQL expressions, or a value per sample): built for the occasion.
+            stamp = {"state": dst, "updated_at": now, **values}
+            for column, by_pk in (per_sample or {}).items():
+                stamp[column] = case(by_pk, value=_samples.c.pk)
+            statement = (
+                update(_samples)
+                .where(_samples.c.pk.in_(pks), _samples.c.state == src)
+                .values(stamp)
+                .returning(_samples.c.num_tokens)
+            )
+            params = {}
+        else:
+            statement = _sample_move(tuple(sorted(values)))
+            params = {"p_pks": pks, "p_src": src, "p_dst": dst, "p_now": now} | {f"v_{k}": v for k, v in values.items()}
+        moved = session.execute(statement, params).scalars().all()
+        rc, tokens = len(moved), sum(moved)
+    if rc:
+        session.execute(_job_counters(src, dst), {"p_job": job_id, "p_rc": rc, "p_tokens": tokens})
+    return rc
+
+
+@functools.cache
+def _job_lock() -> Select[Any]:
+    """The job row's lock (FOR UPDATE on Postgres; SQLite serialises writers by itself): see _transition."""
+    return select(_jobs.c.id).where(_jobs.c.id == bindparam("p_job")).with_for_update()
+
+
+@functools.cache
+def _sample_move(columns: tuple[str, ...]) -> ReturningUpdate[Any]:
+    """Move samples by pk from one state to another, setting `columns` (bound as v_<column>)."""
+    return (
+        update(_samples)
+        .where(_samples.c.pk.in_(bindparam("p_pks", expanding=True)), _samples.c.state == bindparam("p_src"))
+        .values(state=bindparam("p_dst"), updated_at=_now_param(), **{c: bindparam(f"v_{c}") for c in columns})
+        .returning(_samples.c.num_tokens)
+    )
+
+
+@functools.cache
+def _job_counters(src: SampleState, dst: SampleState) -> Update:
+    """The job's counters follow p_rc samples (of p_tokens tokens) from `src` to `dst`."""
+    src_col, dst_col = _jobs.c[f"n_{src}"], _jobs.c[f"n_{dst}"]
+    changes = {src_col: src_col - bindparam("p_rc"), dst_col: dst_col + bindparam("p_rc")}
+    for state, column in TOKEN_COUNTERS.items():
+        col = _jobs.c[column.key]
+        if state == src:
+            changes[col] = col - bindparam("p_tokens")
+        if state == dst:
+            changes[col] = col + bindparam("p_tokens")
+    return update(_jobs).where(_jobs.c.id == bindparam("p_job")).values(changes)
+
+
+def _requeue_state(session: Session, job_id: str) -> SampleState:
+    """Where a sample goes for another attempt: the queue, unless its job is being cancelled."""
+    job = _lock_job(session, job_id)
+    return SampleState.CANCELLED if job is not None and job.state == JobState.CANCELLING else SampleState.QUEUED
