@@ -35,13 +35,12 @@ def test_one_running_sample_per_writer(sessions):
         other = repo.claim_next(s, "host:/dump/b")
     assert other is not None and other.idx == 1
     # The partial unique index refuses a second running sample for a writer, whatever the code does.
-    with pytest.raises(IntegrityError):
-        with sessions.begin() as s:
-            s.execute(
-                update(SampleRow)
-                .where(SampleRow.job_id == job.id, SampleRow.idx == 2)
-                .values(state="running", writer="host:/dump/a")
-            )
+    with pytest.raises(IntegrityError), sessions.begin() as s:
+        s.execute(
+            update(SampleRow)
+            .where(SampleRow.job_id == job.id, SampleRow.idx == 2)
+            .values(state="running", writer="host:/dump/a")
+        )
     with sessions() as s:
         j = repo.get_job(s, job.id)
         assert (j.n_queued, j.n_running, j.state) == (1, 2, "running")
@@ -159,7 +158,7 @@ def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
                     c = repo.claim_next(s, name)
                     if c is not None:
                         repo.record_failed_attempt(s, c, reason="again", max_attempts=1000)
-            except BaseException as exc:  # noqa: BLE001 - any abort is the failure under test
+            except BaseException as exc:  # any abort is the failure under test
                 errors.append(exc)
                 return
 
@@ -350,7 +349,7 @@ def test_sweepers_of_several_processes_share_one_cancel(sessions, tmp_path):
     def drain(sweeper: CancelSweeper) -> None:
         try:
             sweeper.drain(job_id)
-        except BaseException as exc:  # noqa: BLE001 - any failure is the one under test
+        except BaseException as exc:  # any failure is the one under test
             errors.append(exc)
 
     threads = [threading.Thread(target=drain, args=(sw,)) for sw in sweepers]

@@ -110,7 +110,7 @@ def _parse_floats(text: bytes) -> np.ndarray:
 class _Frame:
     """One open container of the skeleton: an object (with the key whose value comes next) or a list."""
 
-    __slots__ = ("is_object", "key", "expect_key")
+    __slots__ = ("expect_key", "is_object", "key")
 
     def __init__(self, is_object: bool):
         self.is_object = is_object

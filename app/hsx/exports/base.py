@@ -16,9 +16,10 @@ import json
 import os
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, ClassVar
+from typing import BinaryIO, ClassVar
 
 import torch
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker

@@ -10,7 +10,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 # Re-exported: callers import these from here.
-from hsx.reference.common import DTYPES, ForwardResult, dtype_name  # noqa: F401
+from hsx.reference.common import DTYPES, ForwardResult, dtype_name
 
 EMBEDDED_MODEL_PATH = "hsx-embedded-tiny-llama"
 

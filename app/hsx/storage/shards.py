@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Generator
 
 import numpy as np
 

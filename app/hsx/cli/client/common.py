@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
 
 from hsx.states import TERMINAL_JOB_STATES, JobState
 
