@@ -117,8 +117,8 @@ class SpeculatorsExporter(Exporter):
         require_layers(
             job,
             self.target,
-            self.aux_layers + [self.num_layers],
-            f"target_layer_ids {self.aux_layers + [self.num_layers]}: the aux layers, then the last layer",
+            [*self.aux_layers, self.num_layers],
+            f"target_layer_ids {[*self.aux_layers, self.num_layers]}: the aux layers, then the last layer",
         )
         self.final_norm_offset = (
             float(final_norm_offset) if final_norm_offset is not None else default_norm_offset(job.model_type)
@@ -147,7 +147,7 @@ class SpeculatorsExporter(Exporter):
 
     @property
     def target_layer_ids(self) -> list[int]:
-        return self.aux_layers + [self.num_layers]
+        return [*self.aux_layers, self.num_layers]
 
     def plan(self) -> list[PlannedFile]:
         return [PlannedFile(f"hidden_states/hs_{i}.safetensors", i, s.id) for i, s in enumerate(self.job.samples)]
