@@ -275,6 +275,14 @@ def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 def _usage_error(args: argparse.Namespace) -> str | None:
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         return "--chunked-prefill-size must be a positive number of tokens, or -1 for off"
+    problem = _other_mode_flag(args)
+    if problem is None:
+        problem = _synthetic_usage_error(args) if args.synthetic else _model_usage_error(args)
+    return problem
+
+
+def _other_mode_flag(args: argparse.Namespace) -> str | None:
+    """A flag of the other server: stock mode has no dump flags, the built-in server no stock flags."""
     if args.stock_sglang:
         legacy = _given(args, LEGACY_FLAGS) + (["--name-by"] if args.name_by != "counter" else [])
         if legacy:
@@ -283,12 +291,18 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         stock = _given(args, STOCK_FLAGS)
         if stock:
             return f"{stock[0]} needs --stock-sglang"
-    if args.synthetic:
-        if args.model is not None:
-            return "--model and --synthetic exclude each other"
-        if args.device is not None:
-            return "--device needs a model: synthetic mode computes nothing"
-        return None
+    return None
+
+
+def _synthetic_usage_error(args: argparse.Namespace) -> str | None:
+    if args.model is not None:
+        return "--model and --synthetic exclude each other"
+    if args.device is not None:
+        return "--device needs a model: synthetic mode computes nothing"
+    return None
+
+
+def _model_usage_error(args: argparse.Namespace) -> str | None:
     given = [k for k in SYNTHETIC_DEFAULTS if getattr(args, k) is not None]
     if given:
         return f"--{given[0].replace('_', '-')} needs --synthetic"

@@ -92,6 +92,10 @@ class PrefillCapture:
                 "the forward kept no aux or no last hidden states "
                 "(launch with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3)"
             )
+        return self._rows_problem(aux, last, lens)
+
+    def _rows_problem(self, aux: Any, last: Any, lens: Any) -> str | None:
+        """The captured rows against the batch: 2-D, a row per extend token, the aux layers side by side."""
         if aux.dim() != 2 or last.dim() != 2:
             return f"hidden states of shapes {list(aux.shape)} and {list(last.shape)}, expected 2-D"
         tokens = sum(int(n) for n in lens)
