@@ -100,7 +100,7 @@ def describe_model(model_info: dict, server_info: dict) -> dict:
 
 
 def decide(
-    source: str, name_by: str, server_info: dict, model_info: dict, plugin_info: dict | None, dump_root: Path
+    source: str, name_by: str, server_info: dict, model_info: dict, *, plugin_info: dict | None, dump_root: Path
 ) -> Capture:
     """The capture for this server; CaptureProblem when it cannot give whole samples."""
     chunk = server_info.get("chunked_prefill_size")

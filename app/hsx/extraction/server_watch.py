@@ -151,8 +151,8 @@ class ServerWatch:
                 self.settings.name_by,
                 server_info,
                 model_info,
-                read_plugin_info(self.root.path),
-                self.root.path,
+                plugin_info=read_plugin_info(self.root.path),
+                dump_root=self.root.path,
             )
         except CaptureProblem as exc:
             self.extractor = None
