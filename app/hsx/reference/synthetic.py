@@ -267,9 +267,13 @@ class SyntheticRunner:
                 time.sleep(cost_us / 1e6)
         hidden = self.hidden_states(input_ids, self.layers)
         last = self.num_hidden_layers
+
+        def final_hidden() -> torch.Tensor:  # only computed when a reply needs it
+            return self.hidden_states(input_ids, [last])[last].materialize()
+
         return ForwardResult(
             hidden_states=hidden,
             final_hidden=None,
-            final_hidden_fn=lambda: self.hidden_states(input_ids, [last])[last].materialize(),
+            final_hidden_fn=final_hidden,
             output_ids=synthetic_output_ids(input_ids, max_new_tokens, self.vocab_size, self.seed),
         )

@@ -20,6 +20,7 @@ kernel's read, and checked and hashed there while they are still in the processo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -174,10 +175,9 @@ class DirectSink:
 
     def close(self) -> None:
         for index in (0, 1):
-            try:
+            # An error here already reached the caller through write() or finish().
+            with contextlib.suppress(OSError):
                 self._wait(index)
-            except OSError:
-                pass  # the error already reached the caller through write() or finish()
         self.io.shutdown()
         os.close(self.fd)
         for view in self.views:
@@ -188,10 +188,8 @@ class DirectSink:
                 continue
             # After a failure a piece of the buffer may still be held (by the exception's traceback):
             # not reused, freed along with that.
-            try:
+            with contextlib.suppress(BufferError):
                 buffer.close()
-            except BufferError:
-                pass
 
 
 def open_sink(f: BinaryIO) -> BufferedSink | DirectSink:

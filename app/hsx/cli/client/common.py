@@ -109,7 +109,7 @@ def print_json(obj: Any, stream: TextIO | None = None) -> None:
 def duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
-    s = int(round(seconds))
+    s = round(seconds)
     if s < 60:
         return f"{s}s"
     if s < 3600:

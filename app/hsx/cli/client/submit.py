@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import BinaryIO
 
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, follow, outcome, print_json, run
 from hsx.layers import layers_arg
@@ -43,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
 
 
+def _open_jsonl(path: str) -> BinaryIO:
+    """The file to stream; one that cannot be opened is a usage error, not a failed request."""
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     def body(hsx) -> int:
         if (args.file is None) == (args.input_path is None):
@@ -53,11 +62,7 @@ def main(args: argparse.Namespace) -> int:
         elif args.file == "-":
             job = hsx.submit_jsonl(sys.stdin.buffer, **options)
         else:
-            try:
-                source = open(args.file, "rb")
-            except OSError as exc:
-                raise UsageError(f"cannot read {args.file}: {exc.strerror}") from None
-            with source:
+            with _open_jsonl(args.file) as source:
                 job = hsx.submit_jsonl(source, **options)
         if not args.json:
             print(
