@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from sqlalchemy import event, func, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
 
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
@@ -141,6 +142,20 @@ def test_recovery_requeues_running_and_lost_staged(sessions, tmp_path):
     assert (j.n_queued, j.n_running, j.n_staged) == (2, 0, 1)
 
 
+def end_job(sessions: sessionmaker[Session], job_id: str, *, cancel: bool) -> None:
+    """Cancel the job and take its queued samples off in batches, as the cancel sweeper does, or fail it."""
+    if not cancel:
+        with sessions.begin() as s:
+            repo.fail_job(s, job_id, "refused")
+        return
+    with sessions.begin() as s:
+        repo.cancel_job(s, job_id)
+    while True:
+        with sessions.begin() as s:
+            if repo.cancel_queued(s, job_id, 7) < 7:
+                break
+
+
 @pytest.mark.postgres
 def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
     """Claims (several writers) racing cancel's batches and fail_job: every path takes the job row
@@ -172,16 +187,7 @@ def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
                 job_id = repo.create_job(s, name=None, layers=None, samples=new_samples(30)).id
             jobs.append(job_id)
             threading.Event().wait(0.002 * (round_ % 5))
-            if round_ % 2:
-                with sessions.begin() as s:
-                    repo.cancel_job(s, job_id)
-                while True:
-                    with sessions.begin() as s:
-                        if repo.cancel_queued(s, job_id, 7) < 7:
-                            break
-            else:
-                with sessions.begin() as s:
-                    repo.fail_job(s, job_id, "refused")
+            end_job(sessions, job_id, cancel=bool(round_ % 2))
     finally:
         stop.set()
         for t in threads:
