@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from hsx_sglang import __version__
-from hsx_sglang.dumpdir import DTYPE_NAMES, DumpDirWriter
+from hsx_sglang.dumpdir import DTYPE_NAMES, DumpDirWriter, PluginInfo
 from hsx_sglang.layers import CapturedLayers
 from hsx_sglang.settings import SAFE_RID, PluginSettings
 from hsx_sglang.writer import DumpJob, DumpWriterThread
@@ -130,7 +130,7 @@ DUMP_PROTOCOL = 1
 
 def plugin_info(
     settings: PluginSettings, *, layers: CapturedLayers, boot_id: str, hidden_size: int, dtype: str, sglang_version: str
-) -> dict:
+) -> PluginInfo:
     """What the service needs to know about this server's dumps (`hsx-plugin.json`, README.md)."""
     return {
         "format": PLUGIN_INFO_FORMAT,
