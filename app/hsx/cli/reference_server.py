@@ -8,10 +8,14 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hsx.dtypes import HIDDEN_STATE_DTYPES
 from hsx.layers import eagle3_capture_layers, layers_arg
+
+if TYPE_CHECKING:
+    from hsx.reference.model import ModelRunner
+    from hsx.reference.synthetic import SyntheticRunner
 
 NAME = "reference-server"
 HELP = "run the SGLang-compatible reference model server that writes hidden-state dumps"
@@ -251,7 +255,7 @@ SYNTHETIC_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _synthetic_runner(args: argparse.Namespace):
+def _synthetic_runner(args: argparse.Namespace) -> SyntheticRunner:
     from hsx.reference.synthetic import SyntheticRunner
 
     opts = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in SYNTHETIC_DEFAULTS.items()}
@@ -324,6 +328,7 @@ def main(args: argparse.Namespace) -> int:
     from hsx.reference.faults import FaultInjector, PrefixCache
     from hsx.reference.server import Engine, ServerSettings, log, run_server
 
+    runner: ModelRunner | SyntheticRunner
     try:
         if args.synthetic:
             runner = _synthetic_runner(args)
@@ -349,7 +354,7 @@ def main(args: argparse.Namespace) -> int:
         anonymous=args.anonymous_dumps,
     )
     engine = Engine(
-        runner,
+        cast("ModelRunner", runner),  # Engine's annotation names ModelRunner; SyntheticRunner has its interface
         dumper,
         args.name_by,
         faults=FaultInjector() if args.enable_fault_injection else None,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, follow, outcome, print_json, run
 from hsx.layers import layers_arg
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient
 
 NAME = "submit"
 HELP = "create a job from a JSONL file (streamed) or a file under the service's input root"
@@ -53,7 +56,7 @@ def _open_jsonl(path: str) -> BinaryIO:
 
 
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         if (args.file is None) == (args.input_path is None):
             raise UsageError("give exactly one of FILE or --input-path")
         options = {"name": args.name, "layers": args.layers, "idempotency_key": args.idempotency_key}
