@@ -76,7 +76,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from fastapi import FastAPI, Request
@@ -257,7 +257,7 @@ class FaultInjector:
             self._rng = random.Random()
             self._unavailable_until = 0.0
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             remaining = max(0.0, self._unavailable_until - time.monotonic())
             return {
@@ -404,7 +404,7 @@ class BadDumper(Dumper):
 
     def build_meta(
         self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int], cached_tokens: int = 0
-    ) -> dict:
+    ) -> dict[str, Any]:
         meta = super().build_meta(rid, counter, self._ids(input_ids), layers, cached_tokens)
         if self.kind == "wrong_num_tokens":
             meta["num_tokens"] += 1
@@ -416,12 +416,16 @@ class BadDumper(Dumper):
             meta["layers"] = [*meta["layers"], meta["layers"][-1]]
         return meta
 
-    def write_meta(self, directory: Path, meta: dict) -> None:
+    def write_meta(self, directory: Path, meta: dict[str, Any]) -> None:
         if self.kind == "bad_meta_json":
             text = json.dumps(meta, indent=1)
             (directory / "meta.json").write_text(text[: len(text) // 2], encoding="utf-8")
         else:
             super().write_meta(directory, meta)
+
+
+# A prompt prefix in the cache: the next token -> the longer prefix.
+_TrieNode: TypeAlias = "dict[int, _TrieNode]"
 
 
 class PrefixCache:
@@ -433,7 +437,7 @@ class PrefixCache:
     """
 
     def __init__(self) -> None:
-        self._roots: dict[str | None, dict[int, dict]] = {}
+        self._roots: dict[str | None, _TrieNode] = {}
         self._lock = threading.Lock()
 
     def match(self, input_ids: Sequence[int], namespace: str | None = None) -> int:
@@ -461,7 +465,7 @@ def add_admin_routes(app: FastAPI, injector: FaultInjector) -> None:
     """Mount GET/POST/DELETE /admin/faults on a FastAPI app."""
 
     @app.get("/admin/faults")
-    async def get_faults() -> dict:
+    async def get_faults() -> dict[str, Any]:
         return injector.snapshot()
 
     @app.post("/admin/faults")
@@ -477,6 +481,6 @@ def add_admin_routes(app: FastAPI, injector: FaultInjector) -> None:
         return injector.snapshot()
 
     @app.delete("/admin/faults")
-    async def delete_faults() -> dict:
+    async def delete_faults() -> dict[str, Any]:
         injector.reset()
         return injector.snapshot()
