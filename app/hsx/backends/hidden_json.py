@@ -44,7 +44,7 @@ class HiddenStatesJSONError(ValueError):
     The message says what, and at which byte of the answer."""
 
 
-def parse_hidden_states_answer(chunks: Iterable[bytes], *, rows: int, width: int) -> tuple[dict, np.ndarray]:
+def parse_hidden_states_answer(chunks: Iterable[bytes], *, rows: int, width: int) -> tuple[dict[str, Any], np.ndarray]:
     """Consume the answer body chunk by chunk (any chunk boundaries, even 1 byte). Return (answer, array):
     `answer` is the whole JSON answer (the single object) with meta_info.hidden_states replaced by None
     (so it is small), and `array` is a float32 numpy array of shape (rows, width) holding element 0 of
@@ -164,7 +164,7 @@ class HiddenStatesAnswerParser:
         while pos < len(data):
             pos = _STEPS[self._mode](self, data, pos, base)
 
-    def finish(self) -> tuple[dict, np.ndarray]:
+    def finish(self) -> tuple[dict[str, Any], np.ndarray]:
         """The answer (meta_info.hidden_states set to None) and element 0 as a (rows, width) float32
         array, once the whole body has been fed."""
         if self._mode != _SKELETON or self._stack or not self._root_seen:
@@ -504,7 +504,7 @@ class HiddenStatesAnswerParser:
             return self._value_start
         return at - (self._null_at + 4) + self._value_end
 
-    def _single_answer(self, decoded: Any) -> dict:
+    def _single_answer(self, decoded: Any) -> dict[str, Any]:
         if isinstance(decoded, list):
             if len(decoded) != 1:
                 raise HiddenStatesJSONError(f"the answer is a list of {len(decoded)} answers; expected one")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -96,7 +96,7 @@ class ModelOptExporter(Exporter):
     def keys(self) -> list[str]:
         return ["input_ids", "loss_mask"] + [layer_key(i) for i in [*self.aux_layers, self.num_layers]]
 
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         return {"aux_layers": self.aux_layers, "last_layer": self.num_layers}
 
     def notes(self) -> list[str]:

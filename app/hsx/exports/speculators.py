@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -155,7 +155,7 @@ class SpeculatorsExporter(Exporter):
     def keys(self) -> list[str]:
         return ["input_ids"] + [layer_key(i) for i in self.target_layer_ids]
 
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         final_norm = None
         if self.scale is not None:
             scale_sha256 = hashlib.sha256(self.scale.numpy().tobytes()).hexdigest()

@@ -157,7 +157,7 @@ class Writer:
             except Exception:
                 log.exception("heartbeat failed")
 
-    def _stats(self) -> dict:
+    def _stats(self) -> dict[str, float]:
         return {
             "samples_staged": self.metrics.samples_staged,
             "tokens_extracted": self.metrics.tokens_extracted,

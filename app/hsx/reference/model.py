@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 import transformers
@@ -108,7 +109,8 @@ class ModelRunner:
             return ForwardResult(hidden_states=hidden, final_hidden=final, output_ids=output_ids)
         return ForwardResult(hidden_states=hidden, final_hidden=None, output_ids=output_ids, final_hidden_fn=final.cpu)
 
-    def _greedy_decode(self, prefill_out, max_new_tokens: int) -> list[int]:
+    def _greedy_decode(self, prefill_out: Any, max_new_tokens: int) -> list[int]:
+        """The next tokens after the prefill's output (transformers' CausalLMOutputWithPast), by argmax."""
         output_ids: list[int] = []
         out = prefill_out
         while len(output_ids) < max_new_tokens:

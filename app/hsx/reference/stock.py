@@ -183,7 +183,7 @@ def not_bool_or_list(value: Any) -> str:
     return f"invalid type: {_contract_type(value)}, expected a value or an array of values for BoolOrList"
 
 
-def request_flags(body: dict, key: str, n: int, is_batch: bool) -> list[bool]:
+def request_flags(body: dict[str, Any], key: str, n: int, is_batch: bool) -> list[bool]:
     """A bool-or-list-of-bools field (return_logprob) per sequence, refused as the API contract refuses it."""
     raw = body.get(key, False)
     values = raw if isinstance(raw, list) and is_batch and len(raw) == n else [raw] * n
@@ -397,7 +397,7 @@ class StockEngine:
         self.rids = RidsInFlight()
         self._lock = threading.Lock()
 
-    def generate(self, req: StockRequest, *, cacheable: bool = True) -> list[dict]:
+    def generate(self, req: StockRequest, *, cacheable: bool = True) -> list[dict[str, Any]]:
         with self.rids.claim(req.rids), self._lock:
             started = time.monotonic()
             results, passes = [], []
@@ -458,7 +458,7 @@ class StockEngine:
 
     def _reply(
         self, rid: str, ids: list[int], result: ForwardResult, mode: str | None, passes: list[PrefillPass]
-    ) -> dict:
+    ) -> dict[str, Any]:
         n = len(result.output_ids)
         meta: dict[str, Any] = {
             "id": rid,

@@ -55,7 +55,7 @@ class BufferedSink:
     def advance(self, n: int) -> None:
         self.write(self.scratch[:n])
 
-    def write(self, data) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self.f.write(data)
         self.count += len(data)
         if self.count - self.flushed >= WRITEBACK_EVERY:
@@ -115,7 +115,7 @@ class DirectSink:
         self.buffers = [_POOL.take() for _ in range(2)]
         self.finished = False  # finish() wrote everything: the buffers are free for the next shard
         self.views = [memoryview(b) for b in self.buffers]
-        self.writes: list[Future | None] = [None, None]
+        self.writes: list[Future[None] | None] = [None, None]
         self.io = ThreadPoolExecutor(1, thread_name_prefix="hsx-direct-io")
         self.current = 0
         self.used = 0
@@ -139,7 +139,7 @@ class DirectSink:
         if self.used == BUFFER_BYTES:
             self._submit(BUFFER_BYTES)
 
-    def write(self, data) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         with memoryview(data) as view, view.cast("B") as src:
             taken = 0
             while taken < len(src):
