@@ -97,6 +97,24 @@ def json_body(mb: float, rng: random.Random, tokens: int = 2000) -> bytes:
     return ("{" + '"samples": [' + ",".join(f'{{"input_ids": [{sample}]}}' for _ in range(n)) + "]}").encode()
 
 
+def three_at_once(base: str, pid: int, body: bytes) -> None:
+    def post(_):
+        with httpx.Client(base_url=base, timeout=3600) as one:
+            t = time.perf_counter()
+            r = one.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+            return r.status_code, time.perf_counter() - t
+
+    before = rss(pid)
+    with Watch(base, pid, creates=True) as watch, ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(post, range(3)))
+    print(
+        f"three such bodies at once: answers {sorted(s for s, _ in answers)} in "
+        f"{', '.join(f'{t:.1f}' for _, t in answers)} s; RSS {before / MiB:.0f} -> peak "
+        f"{watch.peak / MiB:.0f} -> {rss(pid) / MiB:.0f} MiB; small creates meanwhile "
+        f"{ms(watch.create_times)}; /healthz {ms(watch.health)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1,10,100", help="NDJSON line sizes in MB")
@@ -154,22 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"RSS {before / MiB:.0f} -> peak {watch.peak / MiB:.0f} -> {rss(pid) / MiB:.0f} MiB one second "
                     f"after; /healthz meanwhile {ms(watch.health)}"
                 )
-
-                def post(_):
-                    with httpx.Client(base_url=base, timeout=3600) as one:
-                        t = time.perf_counter()
-                        r = one.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
-                        return r.status_code, time.perf_counter() - t
-
-                before = rss(pid)
-                with Watch(base, pid, creates=True) as watch, ThreadPoolExecutor(3) as pool:
-                    answers = list(pool.map(post, range(3)))
-                print(
-                    f"three such bodies at once: answers {sorted(s for s, _ in answers)} in "
-                    f"{', '.join(f'{t:.1f}' for _, t in answers)} s; RSS {before / MiB:.0f} -> peak "
-                    f"{watch.peak / MiB:.0f} -> {rss(pid) / MiB:.0f} MiB; small creates meanwhile "
-                    f"{ms(watch.create_times)}; /healthz {ms(watch.health)}"
-                )
+                three_at_once(base, pid, body)
                 mistyped_bodies(base, pid)
         finally:
             svc.stop()

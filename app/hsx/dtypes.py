@@ -10,7 +10,7 @@ is looked up only when asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +54,7 @@ DTYPES_BY_CODE: dict[str, DType] = {d.code: d for d in _ALL}
 HIDDEN_STATE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 
-def sglang_auto_dtype(config: dict) -> str:
+def sglang_auto_dtype(config: dict[str, Any]) -> str:
     """What SGLang 0.5.23 runs a checkpoint in under `--dtype auto` (srt/configs/model_config.py,
     _get_and_verify_dtype): the checkpoint's dtype (float32 where it names none), except that float32
     is downcast, to bfloat16 for Gemma models and to float16 for every other."""

@@ -58,7 +58,7 @@ def eagle3_aux_layers(num_layers: int) -> list[int]:
 def eagle3_capture_layers(num_layers: int) -> list[int]:
     """EAGLE-3's aux layers and the post-norm last layer, ascending; a model too small to have four
     distinct ones gets those it has."""
-    return sorted({i for i in eagle3_aux_layers(num_layers) + [num_layers] if 0 <= i <= num_layers})
+    return sorted({i for i in [*eagle3_aux_layers(num_layers), num_layers] if 0 <= i <= num_layers})
 
 
 def select_layers(

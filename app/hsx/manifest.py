@@ -154,7 +154,7 @@ def job_dir(output_root: Path, job_id: str) -> Path:
     return Path(output_root) / job_id
 
 
-def locate(source: str | os.PathLike) -> tuple[Path, Path]:
+def locate(source: str | os.PathLike[str]) -> tuple[Path, Path]:
     """(job folder, manifest path) for a job folder or the path of its manifest.json."""
     path = Path(source)
     if path.is_file() or path.name == MANIFEST_NAME:
@@ -248,7 +248,7 @@ def manifest_problems(doc: object) -> list[str]:
     return problems
 
 
-def load_manifest(source: str | os.PathLike, *, readable: bool = False) -> Manifest:
+def load_manifest(source: str | os.PathLike[str], *, readable: bool = False) -> Manifest:
     """The manifest of a job folder (or at the path of its manifest.json); a ValueError says what is
     wrong with it. With `readable`, a manifest that does not describe shards that can be read (a job
     that ended before the model server described its layers; see `manifest_problems`) is one too."""

@@ -19,7 +19,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hsx.db.models import JobRow, WriterRow
@@ -29,7 +29,7 @@ def layers_key(layers: list[int] | None) -> str | None:
     return None if layers is None else ",".join(str(int(i)) for i in layers)
 
 
-def model_key(described: dict | None) -> str | None:
+def model_key(described: dict[str, Any] | None) -> str | None:
     """The model's identity; None while the server has not described it."""
     if not described:
         return None
@@ -47,7 +47,7 @@ class Serves:
     model: str | None
 
     @classmethod
-    def of(cls, layers: list[int] | None, described: dict | None) -> Serves:
+    def of(cls, layers: list[int] | None, described: dict[str, Any] | None) -> Serves:
         return cls(layers_key(layers), model_key(described))
 
 

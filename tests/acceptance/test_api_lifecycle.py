@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -337,7 +338,7 @@ def test_throughput_shards_and_writer_rate(stack):
     assert history["job_id"] == job["id"] and width % 5 == 0 and points
     assert sum(p["samples"] for p in points) == 6 and sum(p["tokens"] for p in points) == job["tokens"]["total"]
     starts = [datetime.fromisoformat(p["start"]).timestamp() for p in points]
-    assert all(b - a == width for a, b in zip(starts, starts[1:])), "windows follow each other, gaps included"
+    assert all(b - a == width for a, b in itertools.pairwise(starts)), "windows follow each other, gaps included"
     assert all(0 <= p["seconds"] <= width for p in points)
     # tokens_per_s is rounded to 3 decimals
     rates = [(p["tokens_per_s"], p["tokens"] / p["seconds"]) for p in points if p["seconds"]]

@@ -21,10 +21,7 @@ OK = {"input_ids": [1, 2, 3]}
 def service(request, tmp_path_factory):
     """One API-only service per database for the whole module (no writer: nothing gets processed)."""
     tmp = tmp_path_factory.mktemp(f"api-{request.param}")
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp / 'hsx.db'}"
-    else:
-        url = request.getfixturevalue("postgres_module_url")
+    url = f"sqlite:///{tmp / 'hsx.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_module_url")
     svc = start_service(tmp, url, extra=["--no-writer"])
     yield svc
     svc.stop()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from sqlalchemy import event
+from sqlalchemy.orm import Session, sessionmaker
 
 from hsx.config import Settings
 from hsx.db import repository as repo
@@ -31,6 +32,29 @@ RAMP_S, WINDOW_S = 5.0, 6.0  # the backoff reaches its bound within RAMP_S; clai
 def is_claim(statement: str) -> bool:
     """The claim's first statement: the oldest job with queued samples this writer may take."""
     return statement.lstrip().startswith("SELECT jobs.id") and "ORDER BY jobs.id" in statement
+
+
+def wait_for_end(sessions: sessionmaker[Session], job_id: str, timeout: float) -> str:
+    """The job's state once it ended, or the state it is in when `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with sessions() as s:
+            job = repo.get_job(s, job_id)
+            if job.state in TERMINAL_JOB_STATES:
+                break
+        time.sleep(0.1)
+    return job.state
+
+
+def assert_stored(folder: Path, ids: list[list[int]]) -> None:
+    """Sample s<i> of the job in `folder` holds ids[i] and its synthetic hidden states."""
+    manifest = load_manifest(folder)
+    for i, x in enumerate(ids):
+        stored = read_sample(folder, manifest, f"s{i}")
+        assert stored["input_ids"].tolist() == x
+        expected = synthetic_hidden_states(x, LAYERS, HIDDEN, torch.bfloat16)
+        for layer in LAYERS:
+            assert torch.equal(stored[f"layer_{layer}"], expected[layer]), (i, layer)
 
 
 def test_an_idle_writer_polls_ever_less_and_still_finds_a_job_created_elsewhere(tmp_path: Path, database_url):
@@ -85,25 +109,11 @@ def test_an_idle_writer_polls_ever_less_and_still_finds_a_job_created_elsewhere(
         with sessions.begin() as s:
             job_id = repo.create_job(s, name=None, layers=LAYERS, samples=samples).id
         created = time.monotonic()
-        deadline = created + 60
-        while time.monotonic() < deadline:
-            with sessions() as s:
-                job = repo.get_job(s, job_id)
-                if job.state in TERMINAL_JOB_STATES:
-                    break
-            time.sleep(0.1)
-        assert job.state == "succeeded", job.state
+        state = wait_for_end(sessions, job_id, timeout=60)
+        assert state == "succeeded", state
         first = min(t for t in claims if t >= created)
         assert first - created <= IDLE_POLL_MAX_S + 1.0, "found within the poll bound"
-
-        folder = settings.output_root / job_id
-        manifest = load_manifest(folder)
-        for i, x in enumerate(ids):
-            stored = read_sample(folder, manifest, f"s{i}")
-            assert stored["input_ids"].tolist() == x
-            expected = synthetic_hidden_states(x, LAYERS, HIDDEN, torch.bfloat16)
-            for layer in LAYERS:
-                assert torch.equal(stored[f"layer_{layer}"], expected[layer]), (i, layer)
+        assert_stored(settings.output_root / job_id, ids)
     finally:
         if writer is not None:
             writer.stop()

@@ -29,7 +29,7 @@ MARKED = re.compile(r"<!-- tested: ([\w-]+)[^>]*-->\s*\n```(\w+)\n(.*?)\n```", r
 def section(heading: str, doc: Path) -> str:
     """The text of `doc` under `heading`, up to the next heading of the same or a higher level (lines inside
     code blocks are not headings)."""
-    level = len(heading.split(" ")[0])
+    level = len(heading.split(" ", maxsplit=1)[0])
     out, inside, fenced = [], False, False
     for line in doc.read_text().splitlines():
         if line.startswith("```"):

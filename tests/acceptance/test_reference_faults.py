@@ -9,6 +9,7 @@ cache only hits where a test means it to). Expected tensors come from synthetic_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -130,10 +132,9 @@ def servers(tmp_path_factory):
                 os.killpg(server.proc.proc.pid, signal.SIGTERM)
         for server in started:
             server.client.close()
-            try:
-                server.proc.proc.wait(timeout=30)  # no second SIGTERM: it could land after the shutdown
-            except subprocess.TimeoutExpired:
-                pass
+            # No second SIGTERM: it could land after the shutdown.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.proc.proc.wait(timeout=30)
             server.proc.stop()
     assert [s.proc.proc.returncode for s in started] == [0, 0]
 
@@ -358,7 +359,7 @@ def test_late_and_never_done(syn):
     before = syn.dirs()
     assert syn.generate({"input_ids": [4, 4, 5], "rid": "never"}).status_code == 200
     (never,) = syn.new_dumps(before)
-    wait_for(lambda: (late / "done").exists(), timeout=10)
+    wait_for((late / "done").exists, timeout=10)
     assert time.monotonic() - replied >= 0.7
     assert_complete(late)
     time.sleep(0.3)
@@ -396,8 +397,14 @@ def test_bad_dump(syn, kind):
         if kind == "unreadable":
             assert path.read_bytes()[:8] == b"\xff" * 8
         return
-    tensors = tensors_of(d)
-    ids = ids_of(d)
+    assert_bad_tensors(kind, tensors_of(d), expected, prompt)
+    assert_bad_meta(kind, meta, ids_of(d), prompt)
+
+
+def assert_bad_tensors(
+    kind: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], prompt: list[int]
+) -> None:
+    """A bad dump's tensors: wrong as `kind` says, or the expected ones for a kind that spoils no tensor."""
     if kind == "missing_layer":
         assert sorted(tensors) == ["layer_1", "layer_2"]
     elif kind == "wrong_shape":
@@ -410,7 +417,13 @@ def test_bad_dump(syn, kind):
         bad = torch.isnan(tensors["layer_1"]) if kind == "nan" else torch.isinf(tensors["layer_1"])
         assert int(bad.sum()) == 1
         assert torch.isfinite(tensors["layer_2"]).all() and torch.isfinite(tensors["layer_4"]).all()
-    elif kind == "wrong_num_tokens":
+    else:
+        assert all(torch.equal(tensors[k], v) for k, v in expected.items())
+
+
+def assert_bad_meta(kind: str, meta: dict[str, Any], ids: list[int], prompt: list[int]) -> None:
+    """A bad dump's meta.json and input ids: wrong as `kind` says, else the prompt's."""
+    if kind == "wrong_num_tokens":
         assert meta["num_tokens"] == len(prompt) + 1
     elif kind == "wrong_ids":
         assert len(ids) == len(prompt) and all(a != b for a, b in zip(ids, prompt))
@@ -419,10 +432,8 @@ def test_bad_dump(syn, kind):
         assert meta["cached_tokens"] > 0
     elif kind == "missing_meta_field":
         assert "num_tokens" not in meta
-    if kind not in ("wrong_ids",):
+    if kind != "wrong_ids":
         assert ids == prompt
-    if kind not in ("missing_layer", "wrong_shape", "wrong_dtype", "nan", "inf"):
-        assert all(torch.equal(tensors[k], v) for k, v in expected.items())
 
 
 def test_bad_dumps_by_probability_from_a_kind_list(syn):

@@ -305,7 +305,7 @@ def test_batching_raises_throughput_with_concurrent_rid_requests(servers, capsys
     def worker(k: int) -> None:
         try:
             send(f"concurrent-{k}", clients[k])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(n)]

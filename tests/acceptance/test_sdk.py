@@ -8,6 +8,7 @@ import hashlib
 import json
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 import pytest
@@ -103,7 +104,7 @@ def test_typed_results_and_pagination(hsx, done):
 
 
 def test_throughput_shards_workers_and_token(stack, hsx, done):
-    job, samples = done
+    job, _ = done
     history = hsx.throughput(job, points=10)
     assert isinstance(history, Throughput) and len(history.points) <= 10
     assert sum(p.samples for p in history.points) == 8 and all(isinstance(p, ThroughputPoint) for p in history.points)
@@ -184,8 +185,8 @@ def test_typed_errors(stack, hsx, done):
 class ChunkReader:
     """A binary file that records every read, to show the upload never reads the file whole."""
 
-    def __init__(self, path: Path):
-        self.f, self.sizes = open(path, "rb"), []
+    def __init__(self, f: BinaryIO):
+        self.f, self.sizes = f, []
 
     def read(self, n: int = -1) -> bytes:
         self.sizes.append(n)
@@ -196,8 +197,9 @@ def test_submit_jsonl_streams_and_idempotency(stack, hsx, tmp_path):
     samples = make_samples(4, seed=42)
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in samples))
-    reader = ChunkReader(path)
-    job = hsx.submit_jsonl(reader, name="streamed", layers=[2, 4, 5, 8], idempotency_key="sdk-nd", chunk_size=256)
+    with path.open("rb") as f:
+        reader = ChunkReader(f)
+        job = hsx.submit_jsonl(reader, name="streamed", layers=[2, 4, 5, 8], idempotency_key="sdk-nd", chunk_size=256)
     assert job.name == "streamed" and job.layers == [2, 4, 5, 8] and job.counts.total == 4
     assert len(reader.sizes) > 2 and all(0 < n <= 256 for n in reader.sizes)
     again = hsx.submit_jsonl(path, name="streamed", layers=[2, 4, 5, 8], idempotency_key="sdk-nd")
@@ -306,6 +308,29 @@ class Recorder:
                 self.requests.append((request.url.path.rsplit("/", 1)[1], request.headers.get("range")))
 
 
+def assert_downloads_whole_job(
+    client: HsxClient, rec: Recorder, job: Job, manifest: Manifest, sample: dict, out: Path
+) -> None:
+    """The whole job: every shard and manifest.json; a second run fetches nothing. One sample's
+    tensors match its rows in the downloaded shard."""
+    got = client.download_job(job, out)
+    assert got == manifest
+    assert json.loads((out / "manifest.json").read_text())["job_id"] == job.id
+    for s in manifest.shards:
+        assert hashlib.sha256((out / s.name).read_bytes()).hexdigest() == s.sha256
+    rec.requests.clear()
+    client.download_job(job, out)
+    assert rec.requests == []
+
+    entry = manifest.sample(sample["id"])
+    tensors = client.sample_tensors(job, entry.id)
+    with safe_open(str(out / entry.shard), framework="pt") as f:
+        for key, value in tensors.items():
+            assert torch.equal(value, f.get_slice(key)[entry.offset : entry.offset + entry.num_tokens])
+    assert tensors["input_ids"].tolist() == sample["input_ids"]
+    assert set(tensors) == {"input_ids", "loss_mask", "layer_2", "layer_4", "layer_5", "layer_8"}
+
+
 def test_download_resumes_with_range_and_verifies_sha256(stack, done, tmp_path):
     job, samples = done
     rec = Recorder()
@@ -353,25 +378,7 @@ def test_download_resumes_with_range_and_verifies_sha256(stack, done, tmp_path):
             assert client.download_shard(job, shard.name, dest).read_bytes() == data
             assert rec.requests == expected
 
-        # the whole job: every shard and manifest.json; a second run fetches nothing
-        out = tmp_path / "job"
-        got = client.download_job(job, out)
-        assert got == manifest
-        assert json.loads((out / "manifest.json").read_text())["job_id"] == job.id
-        for s in manifest.shards:
-            assert hashlib.sha256((out / s.name).read_bytes()).hexdigest() == s.sha256
-        rec.requests.clear()
-        client.download_job(job, out)
-        assert rec.requests == []
-
-        # one sample's tensors match its rows in the downloaded shard
-        entry = manifest.sample(samples[3]["id"])
-        tensors = client.sample_tensors(job, entry.id)
-        with safe_open(str(out / entry.shard), framework="pt") as f:
-            for key, value in tensors.items():
-                assert torch.equal(value, f.get_slice(key)[entry.offset : entry.offset + entry.num_tokens])
-        assert tensors["input_ids"].tolist() == samples[3]["input_ids"]
-        assert set(tensors) == {"input_ids", "loss_mask", "layer_2", "layer_4", "layer_5", "layer_8"}
+        assert_downloads_whole_job(client, rec, job, manifest, samples[3], tmp_path / "job")
 
         with pytest.raises(NotFound):
             client.download_shard(job, "shard-999999.safetensors", tmp_path / "missing")
@@ -381,6 +388,8 @@ def test_download_resumes_with_range_and_verifies_sha256(stack, done, tmp_path):
 
 def test_wait_polls_through_a_service_that_is_down_until_its_timeout():
     """Connection refused is an outage to wait through, not an error; the timeout still ends it."""
-    with HsxClient(f"http://127.0.0.1:{free_port()}", timeout=1) as hsx:
-        with pytest.raises(TimeoutError, match="not reachable"):
-            hsx.wait("job_nowhere", timeout=0.5, poll_s=0.1)
+    with (
+        HsxClient(f"http://127.0.0.1:{free_port()}", timeout=1) as hsx,
+        pytest.raises(TimeoutError, match="not reachable"),
+    ):
+        hsx.wait("job_nowhere", timeout=0.5, poll_s=0.1)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from sqlalchemy import event, func, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
 
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine, session_factory, upgrade
@@ -35,13 +36,12 @@ def test_one_running_sample_per_writer(sessions):
         other = repo.claim_next(s, "host:/dump/b")
     assert other is not None and other.idx == 1
     # The partial unique index refuses a second running sample for a writer, whatever the code does.
-    with pytest.raises(IntegrityError):
-        with sessions.begin() as s:
-            s.execute(
-                update(SampleRow)
-                .where(SampleRow.job_id == job.id, SampleRow.idx == 2)
-                .values(state="running", writer="host:/dump/a")
-            )
+    with pytest.raises(IntegrityError), sessions.begin() as s:
+        s.execute(
+            update(SampleRow)
+            .where(SampleRow.job_id == job.id, SampleRow.idx == 2)
+            .values(state="running", writer="host:/dump/a")
+        )
     with sessions() as s:
         j = repo.get_job(s, job.id)
         assert (j.n_queued, j.n_running, j.state) == (1, 2, "running")
@@ -142,6 +142,20 @@ def test_recovery_requeues_running_and_lost_staged(sessions, tmp_path):
     assert (j.n_queued, j.n_running, j.n_staged) == (2, 0, 1)
 
 
+def end_job(sessions: sessionmaker[Session], job_id: str, *, cancel: bool) -> None:
+    """Cancel the job and take its queued samples off in batches, as the cancel sweeper does, or fail it."""
+    if not cancel:
+        with sessions.begin() as s:
+            repo.fail_job(s, job_id, "refused")
+        return
+    with sessions.begin() as s:
+        repo.cancel_job(s, job_id)
+    while True:
+        with sessions.begin() as s:
+            if repo.cancel_queued(s, job_id, 7) < 7:
+                break
+
+
 @pytest.mark.postgres
 def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
     """Claims (several writers) racing cancel's batches and fail_job: every path takes the job row
@@ -159,7 +173,7 @@ def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
                     c = repo.claim_next(s, name)
                     if c is not None:
                         repo.record_failed_attempt(s, c, reason="again", max_attempts=1000)
-            except BaseException as exc:  # noqa: BLE001 - any abort is the failure under test
+            except BaseException as exc:  # any abort is the failure under test
                 errors.append(exc)
                 return
 
@@ -173,16 +187,7 @@ def test_cancel_and_fail_race_claims_without_deadlock(postgres_url):
                 job_id = repo.create_job(s, name=None, layers=None, samples=new_samples(30)).id
             jobs.append(job_id)
             threading.Event().wait(0.002 * (round_ % 5))
-            if round_ % 2:
-                with sessions.begin() as s:
-                    repo.cancel_job(s, job_id)
-                while True:
-                    with sessions.begin() as s:
-                        if repo.cancel_queued(s, job_id, 7) < 7:
-                            break
-            else:
-                with sessions.begin() as s:
-                    repo.fail_job(s, job_id, "refused")
+            end_job(sessions, job_id, cancel=bool(round_ % 2))
     finally:
         stop.set()
         for t in threads:
@@ -350,7 +355,7 @@ def test_sweepers_of_several_processes_share_one_cancel(sessions, tmp_path):
     def drain(sweeper: CancelSweeper) -> None:
         try:
             sweeper.drain(job_id)
-        except BaseException as exc:  # noqa: BLE001 - any failure is the one under test
+        except BaseException as exc:  # any failure is the one under test
             errors.append(exc)
 
     threads = [threading.Thread(target=drain, args=(sw,)) for sw in sweepers]

@@ -99,7 +99,7 @@ def env_file(path: Path) -> dict[str, str]:
 
 def command_settings(name: str) -> set[str]:
     """The settings `hsx <name>` takes, as flags and so as HSX_<FLAG> variables."""
-    module = next(m for m in map(importlib.import_module, COMMANDS) if m.NAME == name)
+    module = next(m for m in map(importlib.import_module, COMMANDS) if name == m.NAME)
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
     return {action.dest for action in parser._actions} & set(Settings.model_fields)

@@ -60,7 +60,7 @@ class Process:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None):
         self.args = args
         self.log_path = log_path
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it until stop() closes it
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(

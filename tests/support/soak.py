@@ -5,6 +5,7 @@ drive it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -89,10 +90,8 @@ class Soak:
         self.svc.wait_http(self.svc_url + "/healthz")
 
     def faults(self, patch: dict) -> None:
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             self.http.post(self.ref_url + "/admin/faults", json=patch)
-        except httpx.HTTPError:
-            pass
 
     def collect_injected(self) -> None:
         """Counters live in the server process: read them before it goes away."""

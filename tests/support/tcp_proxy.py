@@ -3,6 +3,7 @@ partition, while everything else reaches the database directly."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -29,10 +30,8 @@ class TcpProxy:
         with self._lock:
             conns, self._conns = self._conns, []
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             c.close()
 
     def restore(self) -> None:
@@ -74,7 +73,5 @@ class TcpProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass

@@ -44,36 +44,53 @@ def stock(model_dir: Path, **changes) -> dict:
 
 def test_a_server_that_describes_its_dumps_is_read_as_it_says(tmp_path):
     info = {"hs_dump": {"name_by": "rid", "layers": [2, 4, 5, 8], "boot_id": "x"}, "disable_radix_cache": True}
-    capture = decide("auto", "auto", info, {}, None, tmp_path)
+    capture = decide("auto", "auto", info, {}, plugin_info=None, dump_root=tmp_path)
     assert (capture.source, capture.name_by, capture.layers, capture.boot_id) == ("dumps", "rid", [2, 4, 5, 8], "x")
     assert capture.asks is None and capture.rid_prefix == "hsx-"
 
 
 def test_a_server_that_says_nothing_is_a_patched_one_naming_by_counter(tmp_path):
-    capture = decide("auto", "auto", {}, {}, None, tmp_path)
+    capture = decide("auto", "auto", {}, {}, plugin_info=None, dump_root=tmp_path)
     assert (capture.source, capture.name_by, capture.layers, capture.concurrent) == ("dumps", "counter", None, False)
 
 
 def test_the_plugin_description_wins_over_the_answers(tmp_path, model_dir):
-    capture = decide("auto", "auto", stock(model_dir, **AUX), {}, PLUGIN, tmp_path)
+    capture = decide("auto", "auto", stock(model_dir, **AUX), {}, plugin_info=PLUGIN, dump_root=tmp_path)
     assert (capture.source, capture.name_by, capture.layers) == ("dumps", "rid", [2, 16, 29, 32])
     assert capture.rid_prefix == "run7-" and capture.asks == "logprob" and capture.concurrent
 
 
 def test_a_plugin_description_beside_a_server_without_aux_capture_is_refused(tmp_path, model_dir):
     with pytest.raises(CaptureProblem, match="--enable-return-aux-hidden-states"):
-        decide("auto", "auto", stock(model_dir, enable_return_hidden_states=True), {}, PLUGIN, tmp_path)
+        decide(
+            "auto",
+            "auto",
+            stock(model_dir, enable_return_hidden_states=True),
+            {},
+            plugin_info=PLUGIN,
+            dump_root=tmp_path,
+        )
 
 
 def test_answers_give_the_aux_layers_or_the_last_one(tmp_path, model_dir):
-    aux = decide("auto", "auto", stock(model_dir, **AUX), {}, None, tmp_path)
+    aux = decide("auto", "auto", stock(model_dir, **AUX), {}, plugin_info=None, dump_root=tmp_path)
     assert (aux.source, aux.layers, aux.hidden_size, aux.dtype) == ("response", [2, 16, 29], 4096, "bfloat16")
     explicit = decide(
-        "auto", "auto", stock(model_dir, **AUX, return_aux_hidden_state_layer_ids=[1, 15, 28]), {}, None, tmp_path
+        "auto",
+        "auto",
+        stock(model_dir, **AUX, return_aux_hidden_state_layer_ids=[1, 15, 28]),
+        {},
+        plugin_info=None,
+        dump_root=tmp_path,
     )
     assert explicit.layers == [2, 16, 29], "SGLang's ids name the layer whose input is taken: HF layer id + 1"
     last = decide(
-        "auto", "auto", stock(model_dir, enable_return_hidden_states=True, dtype="float16"), {}, None, tmp_path
+        "auto",
+        "auto",
+        stock(model_dir, enable_return_hidden_states=True, dtype="float16"),
+        {},
+        plugin_info=None,
+        dump_root=tmp_path,
     )
     assert (last.layers, last.dtype) == ([32], "float16")
 
@@ -93,21 +110,42 @@ def test_dtype_auto_is_what_sglang_runs_the_checkpoint_in(tmp_path, config, runs
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, **config}))
-    capture = decide("auto", "auto", stock(d, enable_return_hidden_states=True, dtype="auto"), {}, None, tmp_path)
+    capture = decide(
+        "auto",
+        "auto",
+        stock(d, enable_return_hidden_states=True, dtype="auto"),
+        {},
+        plugin_info=None,
+        dump_root=tmp_path,
+    )
     assert capture.dtype == runs_in
 
 
 def test_answers_need_every_row_and_a_readable_config(tmp_path, model_dir):
     with pytest.raises(CaptureProblem, match="does not return every prompt row"):
-        decide("response", "auto", stock(model_dir, return_hidden_states_mode="last"), {}, None, tmp_path)
-    with pytest.raises(CaptureProblem, match="config.json"):
-        decide("auto", "auto", stock(tmp_path / "elsewhere", **AUX), {}, None, tmp_path)
+        decide(
+            "response",
+            "auto",
+            stock(model_dir, return_hidden_states_mode="last"),
+            {},
+            plugin_info=None,
+            dump_root=tmp_path,
+        )
+    with pytest.raises(CaptureProblem, match=r"config\.json"):
+        decide("auto", "auto", stock(tmp_path / "elsewhere", **AUX), {}, plugin_info=None, dump_root=tmp_path)
 
 
 def test_chunked_prefill_is_refused_whatever_the_source(tmp_path, model_dir):
     for source in ("auto", "dumps", "response"):
         with pytest.raises(CaptureProblem, match="--chunked-prefill-size -1"):
-            decide(source, "auto", stock(model_dir, **AUX, chunked_prefill_size=8192), {}, None, tmp_path)
+            decide(
+                source,
+                "auto",
+                stock(model_dir, **AUX, chunked_prefill_size=8192),
+                {},
+                plugin_info=None,
+                dump_root=tmp_path,
+            )
 
 
 def test_an_unreadable_plugin_description_is_a_problem_not_a_guess(tmp_path):

@@ -76,7 +76,7 @@ def test_default_aux_needs_three_layers(tmp_path):
 
 
 def test_missing_manifest_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="no manifest.json"):
+    with pytest.raises(ValueError, match=r"no manifest\.json"):
         HiddenStateDataset(tmp_path)
 
 

@@ -102,27 +102,49 @@ def test_the_kubernetes_check_catches_a_misspelt_field_and_a_wrong_type() -> Non
 # every process: command line and variables
 
 
-def processes() -> list[tuple[str, list[str], set[str]]]:
-    """(where, argv, names of the environment variables it gets) for every process the files start."""
+ProcessFound = tuple[str, list[str], set[str]]  # where, argv, names of the environment variables it gets
+
+
+def processes() -> list[ProcessFound]:
+    """Every process the files start."""
+    return [*compose_processes(), *k8s_processes(), *unit_processes(), *dockerfile_processes()]
+
+
+def compose_processes() -> list[ProcessFound]:
+    return [
+        (f"compose {name}", svc["command"], set(svc.get("environment") or {}))
+        for name, svc in compose()["services"].items()
+        if "command" in svc
+    ]
+
+
+def k8s_processes() -> list[ProcessFound]:
+    return [
+        (f"k8s {c['name']}", c["command"] + c.get("args", []), {e["name"] for e in c["env"]})
+        for obj in k8s_objects()
+        if obj["kind"] == "Deployment"
+        for c in obj["spec"]["template"]["spec"]["containers"]
+    ]
+
+
+def unit_processes() -> list[ProcessFound]:
     found = []
-    for name, svc in compose()["services"].items():
-        if "command" in svc:
-            found.append((f"compose {name}", svc["command"], set(svc.get("environment") or {})))
-    for obj in k8s_objects():
-        if obj["kind"] == "Deployment":
-            for c in obj["spec"]["template"]["spec"]["containers"]:
-                found.append((f"k8s {c['name']}", c["command"] + c.get("args", []), {e["name"] for e in c["env"]}))
     for unit in UNITS:
         entries = unit_entries(unit)
         env: set[str] = set()
         for file in [v for _, k, v in entries if k == "EnvironmentFile"]:
             env |= set(env_file(example_of(file)))
         found.append((unit.name, shlex.split(next(v for _, k, v in entries if k == "ExecStart")), env))
-    for dockerfile in DOCKERFILES:
-        for line in dockerfile.read_text(encoding="utf-8").splitlines():
-            if line.startswith("CMD "):
-                found.append((str(dockerfile.relative_to(DEPLOY)), json.loads(line[4:]), set()))
     return found
+
+
+def dockerfile_processes() -> list[ProcessFound]:
+    return [
+        (str(dockerfile.relative_to(DEPLOY)), json.loads(line[4:]), set())
+        for dockerfile in DOCKERFILES
+        for line in dockerfile.read_text(encoding="utf-8").splitlines()
+        if line.startswith("CMD ")
+    ]
 
 
 def example_of(environment_file: str) -> Path:
@@ -205,7 +227,7 @@ def test_the_api_and_the_workers_share_the_output_claim_and_the_database_secret(
         claim = next(v for v in pod["volumes"] if v["name"] == volume)["persistentVolumeClaim"]["claimName"]
         outputs.add((env_value(hsx, "HSX_OUTPUT_ROOT"), claim))
         databases.append(env_value(hsx, "HSX_DATABASE_URL"))
-    (output_root, claim), *others = outputs
+    (_, claim), *others = outputs
     assert not others and claim in claims
     assert next(o for o in k8s_objects() if o["metadata"]["name"] == claim)["spec"]["accessModes"] == ["ReadWriteMany"]
     assert all(d == {"secretKeyRef": {"name": "hsx-database", "key": "url"}} for d in databases), databases

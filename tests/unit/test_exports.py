@@ -232,7 +232,7 @@ def test_speculators_real_model_with_final_norm_undone(llama, tmp_path):
 
 def test_speculators_refuses_a_norm_that_does_not_fit(llama, tmp_path):
     _, checkpoint, job, _ = llama
-    with pytest.raises(ExportRefused, match="has RMS .* not 1"):
+    with pytest.raises(ExportRefused, match=r"has RMS .* not 1"):
         export_job("speculators", job.job_dir, tmp_path / "sp", final_norm_weight=checkpoint, final_norm_offset=1.0)
     assert not (tmp_path / "sp").exists()  # refused on the first sample's rows, before anything was written
     with pytest.raises(ExportRefused, match="no tensor named nope"):
@@ -283,7 +283,7 @@ def test_speculators_takes_the_norm_offset_from_the_model_type(tmp_path):
         assert torch.allclose(renormed, hs[-1], atol=1e-5)
     # the same weights for a model type with a plain norm: the offset is 0, and the rows say it is wrong
     plain, _ = llama_job(tmp_path / "plain", model, model={"model_type": "llama"}, post_norm_layers=[8])
-    with pytest.raises(ExportRefused, match="has RMS .* not 1"):
+    with pytest.raises(ExportRefused, match=r"has RMS .* not 1"):
         export_job("speculators", plain.job_dir, tmp_path / "sp2", final_norm_weight=centred)
     # an explicit offset wins over the model type's
     assert export_job("speculators", plain.job_dir, tmp_path / "sp3", final_norm_weight=centred, final_norm_offset=1)

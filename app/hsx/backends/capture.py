@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hsx.dtypes import HIDDEN_STATE_DTYPES, sglang_auto_dtype
 from hsx.identity import Identity
@@ -56,7 +57,7 @@ class CaptureProblem(Exception):
     """The server cannot give whole per-sample hidden states as it runs; the message says why and what to change."""
 
 
-def read_plugin_info(dump_root: Path) -> dict | None:
+def read_plugin_info(dump_root: Path) -> dict[str, Any] | None:
     """The plugin's description of its dumps, or None when no plugin writes into this root."""
     path = Path(dump_root) / PLUGIN_INFO_FILE
     try:
@@ -70,7 +71,7 @@ def read_plugin_info(dump_root: Path) -> dict | None:
     return info
 
 
-def read_model_config(model_path: object) -> dict | None:
+def read_model_config(model_path: object) -> dict[str, Any] | None:
     """The model's transformers config.json when `model_path` is a local checkpoint readable here."""
     if not isinstance(model_path, str) or not model_path:
         return None
@@ -85,7 +86,7 @@ def read_model_config(model_path: object) -> dict | None:
     return {**config, **text} if isinstance(text, dict) else config
 
 
-def describe_model(model_info: dict, server_info: dict) -> dict:
+def describe_model(model_info: dict[str, Any], server_info: dict[str, Any]) -> dict[str, Any]:
     """The model as a manifest records it (hsx.manifest.MODEL_KEYS): each field from the server's
     /get_model_info, or where it does not give one (stock SGLang gives model_type but no layer
     count) from config.json in its model_path when that is a checkpoint readable here, else None."""
@@ -100,7 +101,13 @@ def describe_model(model_info: dict, server_info: dict) -> dict:
 
 
 def decide(
-    source: str, name_by: str, server_info: dict, model_info: dict, plugin_info: dict | None, dump_root: Path
+    source: str,
+    name_by: str,
+    server_info: dict[str, Any],
+    model_info: dict[str, Any],
+    *,
+    plugin_info: dict[str, Any] | None,
+    dump_root: Path,
 ) -> Capture:
     """The capture for this server; CaptureProblem when it cannot give whole samples."""
     chunk = server_info.get("chunked_prefill_size")
@@ -128,7 +135,7 @@ def decide(
     )
 
 
-def _said_identity(described: dict, name_by: str) -> Identity | None:
+def _said_identity(described: dict[str, Any], name_by: str) -> Identity | None:
     """What the dumps will prove before the first is read: what a server that describes them (hs_dump)
     says, else at least the rid where they are named by it; None where only the dumps can tell."""
     said = described.get("identity")
@@ -137,14 +144,14 @@ def _said_identity(described: dict, name_by: str) -> Identity | None:
     return Identity.RID if name_by == "rid" else None
 
 
-def _returns_rows(server_info: dict) -> bool:
+def _returns_rows(server_info: dict[str, Any]) -> bool:
     """Whether the server can answer every prompt row (SGLang's hidden-states mode `full`)."""
     mode = server_info.get("return_hidden_states_mode")
     # SGLang's get_server_return_hidden_states_mode: "last" wins, then "full" or the legacy flag.
     return mode != "last" and (mode == "full" or bool(server_info.get("enable_return_hidden_states")))
 
 
-def _plugin(server_info: dict, info: dict, name_by: str, dump_root: Path) -> Capture:
+def _plugin(server_info: dict[str, Any], info: dict[str, Any], name_by: str, dump_root: Path) -> Capture:
     if info.get("name_by") != "rid" or (name_by not in ("auto", "rid")):
         raise CaptureProblem(f"the hsx-sglang plugin names dumps by rid, but --name-by is {name_by}")
     if server_info.get("enable_return_aux_hidden_states") is False:
@@ -166,7 +173,7 @@ def _plugin(server_info: dict, info: dict, name_by: str, dump_root: Path) -> Cap
     )
 
 
-def _response(server_info: dict, model_info: dict) -> Capture:
+def _response(server_info: dict[str, Any], model_info: dict[str, Any]) -> Capture:
     if not _returns_rows(server_info):
         raise CaptureProblem(
             "the server does not return every prompt row's hidden states: restart it with "
@@ -199,7 +206,7 @@ def _response(server_info: dict, model_info: dict) -> Capture:
     )
 
 
-def _model_dtype(server_info: dict, config: dict) -> str:
+def _model_dtype(server_info: dict[str, Any], config: dict[str, Any]) -> str:
     """The dtype of the server's hidden states: its --dtype, or with auto what SGLang makes of the
     checkpoint's (sglang_auto_dtype)."""
     dtype = server_info.get("dtype")

@@ -16,6 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors import safe_open
@@ -56,7 +57,7 @@ class Dump:
     """A validated dump, moved out of the root: its meta and each layer's raw bytes."""
 
     path: Path
-    meta: dict
+    meta: dict[str, Any]
     layers: dict[int, TensorSpan | bytes]
     key: str | None = None  # the directory name the server wrote, e.g. req_17
     identity: Identity | None = None  # what proved it is the sample's (hsx.identity)
@@ -116,7 +117,7 @@ class DumpRoot:
         return self.path / f"req_{rid}"
 
 
-def read_meta(d: Path) -> dict:
+def read_meta(d: Path) -> dict[str, Any]:
     if not (d / "done").exists():
         raise DumpRejected("incomplete", f"{d.name} has no done marker")
     try:
@@ -129,7 +130,7 @@ def read_meta(d: Path) -> dict:
     return meta
 
 
-def check_meta_fields(name: str, meta: dict) -> None:
+def check_meta_fields(name: str, meta: dict[str, Any]) -> None:
     """Required fields present and of the right JSON type, layers distinct and ascending, or
     DumpRejected("bad_meta")."""
     missing = [k for k in REQUIRED_META if k not in meta]
@@ -173,7 +174,7 @@ def _dump_ids(d: Path) -> list[int] | None:
         raise DumpRejected("bad_input_ids", f"{d.name}/input_ids.safetensors unreadable: {exc}") from exc
 
 
-def identify(d: Path, meta: dict, input_ids: list[int], rid: str) -> Identity:
+def identify(d: Path, meta: dict[str, Any], input_ids: list[int], rid: str) -> Identity:
     """How this dump proves it is the one for `input_ids`, sent with `rid`: by its ids, its rid, or
     only by its token count (hsx.identity). DumpRejected("not_ours") when anything it carries says
     it is another request's."""
@@ -214,7 +215,7 @@ def move_out(d: Path, dest: Path) -> Path:
     return dest
 
 
-def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | LoadedTensor]:
+def _layer_sources(d: Path, meta: dict[str, Any]) -> dict[int, TensorSpan | LoadedTensor]:
     layers = [int(i) for i in meta["layers"]]
     st_file = d / "hidden_states.safetensors"
     if st_file.exists():
@@ -250,7 +251,7 @@ def _layer_sources(d: Path, meta: dict) -> dict[int, TensorSpan | LoadedTensor]:
 
 def validate(
     d: Path,
-    meta: dict,
+    meta: dict[str, Any],
     *,
     expect_layers: list[int] | None = None,
     expect_hidden: int | None = None,

@@ -44,7 +44,7 @@ class HiddenStatesJSONError(ValueError):
     The message says what, and at which byte of the answer."""
 
 
-def parse_hidden_states_answer(chunks: Iterable[bytes], *, rows: int, width: int) -> tuple[dict, np.ndarray]:
+def parse_hidden_states_answer(chunks: Iterable[bytes], *, rows: int, width: int) -> tuple[dict[str, Any], np.ndarray]:
     """Consume the answer body chunk by chunk (any chunk boundaries, even 1 byte). Return (answer, array):
     `answer` is the whole JSON answer (the single object) with meta_info.hidden_states replaced by None
     (so it is small), and `array` is a float32 numpy array of shape (rows, width) holding element 0 of
@@ -110,7 +110,7 @@ def _parse_floats(text: bytes) -> np.ndarray:
 class _Frame:
     """One open container of the skeleton: an object (with the key whose value comes next) or a list."""
 
-    __slots__ = ("is_object", "key", "expect_key")
+    __slots__ = ("expect_key", "is_object", "key")
 
     def __init__(self, is_object: bool):
         self.is_object = is_object
@@ -164,7 +164,7 @@ class HiddenStatesAnswerParser:
         while pos < len(data):
             pos = _STEPS[self._mode](self, data, pos, base)
 
-    def finish(self) -> tuple[dict, np.ndarray]:
+    def finish(self) -> tuple[dict[str, Any], np.ndarray]:
         """The answer (meta_info.hidden_states set to None) and element 0 as a (rows, width) float32
         array, once the whole body has been fed."""
         if self._mode != _SKELETON or self._stack or not self._root_seen:
@@ -205,28 +205,38 @@ class HiddenStatesAnswerParser:
             at = found.start()
             out += data[pos : at + 1]
             pos = at + 1
-            byte = data[at]
-            if byte == _QUOTE:
-                frame = self._stack[-1]
-                self._in_string = True
-                self._string_is_key = frame.expect_key
-                self._string_start = len(out) - 1
-            elif byte == _OPEN_OBJECT or byte == _OPEN_LIST:
-                self._stack.append(_Frame(byte == _OPEN_OBJECT))
-            elif byte == _CLOSE_OBJECT or byte == _CLOSE_LIST:
-                self._close_container(byte == _CLOSE_OBJECT, base + at)
-            elif byte == _COMMA:
-                self._next_item(base + at)
-            elif self._at_hidden_states():  # a colon, after the key meta_info.hidden_states
-                if self._captured:
-                    raise HiddenStatesJSONError(f"meta_info.hidden_states appears twice (byte {base + at})")
-                self._captured = True
-                self._null_at = len(out)
-                out += b"null"
-                self._value_start = base + pos
-                self._mode = _PRELUDE
+            if self._structural(data[at], base + at):
                 return pos
         return pos
+
+    def _structural(self, byte: int, offset: int) -> bool:
+        """Follow one structural byte (already copied to the skeleton, at `offset` in the answer);
+        True when it is the colon the hidden states' value comes after."""
+        if byte == _QUOTE:
+            self._in_string = True
+            self._string_is_key = self._stack[-1].expect_key
+            self._string_start = len(self._skeleton) - 1
+        elif byte in (_OPEN_OBJECT, _OPEN_LIST):
+            self._stack.append(_Frame(byte == _OPEN_OBJECT))
+        elif byte in (_CLOSE_OBJECT, _CLOSE_LIST):
+            self._close_container(byte == _CLOSE_OBJECT, offset)
+        elif byte == _COMMA:
+            self._next_item(offset)
+        elif self._at_hidden_states():  # a colon, after the key meta_info.hidden_states
+            self._capture_value(offset)
+            return True
+        return False
+
+    def _capture_value(self, colon: int) -> None:
+        """The hidden states' value starts after the colon at `colon`: the skeleton holds null in its
+        place, and the value is read in its own mode."""
+        if self._captured:
+            raise HiddenStatesJSONError(f"meta_info.hidden_states appears twice (byte {colon})")
+        self._captured = True
+        self._null_at = len(self._skeleton)
+        self._skeleton += b"null"
+        self._value_start = colon + 1
+        self._mode = _PRELUDE
 
     def _outside_root(self, data: bytes, pos: int, base: int) -> int:
         """Before the answer's opening bracket only whitespace may come, and after its closing one too."""
@@ -237,7 +247,7 @@ class HiddenStatesAnswerParser:
         byte = data[at]
         if self._root_seen:
             raise HiddenStatesJSONError(f"data after the end of the answer at byte {base + at}: {_describe(data, at)}")
-        if byte != _OPEN_OBJECT and byte != _OPEN_LIST:
+        if byte not in (_OPEN_OBJECT, _OPEN_LIST):
             raise HiddenStatesJSONError(
                 f"the answer is not a JSON object or list: it is {_describe(data, at)} at byte {base + at}"
             )
@@ -494,7 +504,7 @@ class HiddenStatesAnswerParser:
             return self._value_start
         return at - (self._null_at + 4) + self._value_end
 
-    def _single_answer(self, decoded: Any) -> dict:
+    def _single_answer(self, decoded: Any) -> dict[str, Any]:
         if isinstance(decoded, list):
             if len(decoded) != 1:
                 raise HiddenStatesJSONError(f"the answer is a list of {len(decoded)} answers; expected one")

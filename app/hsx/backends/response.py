@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class ResponseExtractor:
             shutil.rmtree(dest, ignore_errors=True)
             raise
 
-    def _stage(self, dest: Path, meta: dict, rows: np.ndarray) -> None:
+    def _stage(self, dest: Path, meta: dict[str, Any], rows: np.ndarray) -> None:
         """Write the dump directory, `done` last; any earlier attempt's leftovers are replaced."""
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hsx.backends.dumps import DumpRejected, DumpRoot, identify, read_meta
 from hsx.identity import Identity
@@ -36,7 +37,7 @@ EntryKey = tuple[str, int]  # (name, inode): a name the server reuses after a re
 @dataclass(frozen=True)
 class Found:
     path: Path
-    meta: dict
+    meta: dict[str, Any]
     identity: Identity
 
 
@@ -65,7 +66,7 @@ class RootScan:
     started: float = field(default_factory=time.monotonic)
     _found: dict[EntryKey, Found] = field(default_factory=dict)
     _rejected: dict[EntryKey, str] = field(default_factory=dict)
-    _seen: frozenset = frozenset()
+    _seen: frozenset[tuple[EntryKey, bool]] = frozenset()  # each dump, and whether it is still pending
     _changed_at: float = 0.0
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -24,7 +25,7 @@ class GenerateResult:
     rid: str
     prompt_tokens: int
     cached_tokens: int
-    meta_info: dict
+    meta_info: dict[str, Any]
 
 
 class SGLangClient:
@@ -36,7 +37,7 @@ class SGLangClient:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -55,13 +56,13 @@ class SGLangClient:
         """Raises BackendUnavailable until the server says it is ready (SGLang: 503 while starting)."""
         self._request("GET", "/health")
 
-    def model_info(self) -> dict:
+    def model_info(self) -> dict[str, Any]:
         return self._info("/model_info", "/get_model_info")
 
-    def server_info(self) -> dict:
+    def server_info(self) -> dict[str, Any]:
         return self._info("/server_info", "/get_server_info")
 
-    def _info(self, path: str, deprecated: str) -> dict:
+    def _info(self, path: str, deprecated: str) -> dict[str, Any]:
         """SGLang 0.5.23 logs /get_model_info and /get_server_info as deprecated for /model_info and
         /server_info; servers before it (and patched ones) know only the old names. The new name is
         asked first, the old one where the server does not have it, and the answer remembered."""
@@ -114,8 +115,13 @@ class SGLangClient:
 ASKS = {"hidden_states": "return_hidden_states", "logprob": "return_logprob"}
 
 
-def generate_body(input_ids: list[int], rid: str, asks: str | None) -> dict:
-    body: dict = {"input_ids": input_ids, "rid": rid, "extra_key": rid, "sampling_params": {"max_new_tokens": 1}}
+def generate_body(input_ids: list[int], rid: str, asks: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "input_ids": input_ids,
+        "rid": rid,
+        "extra_key": rid,
+        "sampling_params": {"max_new_tokens": 1},
+    }
     if asks is not None:
         body[ASKS[asks]] = True
     return body

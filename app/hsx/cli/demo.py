@@ -47,7 +47,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen:
+def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "hsx.cli", *args],
         stdout=open(log, "wb"),
@@ -56,7 +56,7 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -70,7 +70,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 12
     raise SystemExit(f"hsx demo: {url} did not answer within {timeout}s; see {log}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

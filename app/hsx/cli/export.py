@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from hsx.layers import layers_arg
 
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common(p)
 
 
-def _options(args: argparse.Namespace) -> dict:
+def _options(args: argparse.Namespace) -> dict[str, Any]:
     options = {"num_layers": args.num_layers, "aux_layers": args.aux_layers}
     if args.target == "specforge":
         options["group_size"] = args.group_size

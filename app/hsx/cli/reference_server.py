@@ -8,10 +8,14 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hsx.dtypes import HIDDEN_STATE_DTYPES
 from hsx.layers import eagle3_capture_layers, layers_arg
+
+if TYPE_CHECKING:
+    from hsx.reference.model import ModelRunner
+    from hsx.reference.synthetic import SyntheticRunner
 
 NAME = "reference-server"
 HELP = "run the SGLang-compatible reference model server that writes hidden-state dumps"
@@ -261,7 +265,7 @@ SYNTHETIC_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _synthetic_runner(args: argparse.Namespace):
+def _synthetic_runner(args: argparse.Namespace) -> SyntheticRunner:
     from hsx.reference.synthetic import SyntheticRunner
 
     opts = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in SYNTHETIC_DEFAULTS.items()}
@@ -285,6 +289,14 @@ def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 def _usage_error(args: argparse.Namespace) -> str | None:
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         return "--chunked-prefill-size must be a positive number of tokens, or -1 for off"
+    problem = _other_mode_flag(args)
+    if problem is None:
+        problem = _synthetic_usage_error(args) if args.synthetic else _model_usage_error(args)
+    return problem
+
+
+def _other_mode_flag(args: argparse.Namespace) -> str | None:
+    """A flag of the other server: stock mode has no dump flags, the built-in server no stock flags."""
     if args.stock_sglang:
         legacy = _given(args, LEGACY_FLAGS) + (["--name-by"] if args.name_by != "counter" else [])
         if legacy:
@@ -293,12 +305,18 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         stock = _given(args, STOCK_FLAGS)
         if stock:
             return f"{stock[0]} needs --stock-sglang"
-    if args.synthetic:
-        if args.model is not None:
-            return "--model and --synthetic exclude each other"
-        if args.device is not None:
-            return "--device needs a model: synthetic mode computes nothing"
-        return None
+    return None
+
+
+def _synthetic_usage_error(args: argparse.Namespace) -> str | None:
+    if args.model is not None:
+        return "--model and --synthetic exclude each other"
+    if args.device is not None:
+        return "--device needs a model: synthetic mode computes nothing"
+    return None
+
+
+def _model_usage_error(args: argparse.Namespace) -> str | None:
     given = [k for k in SYNTHETIC_DEFAULTS if getattr(args, k) is not None]
     if given:
         return f"--{given[0].replace('_', '-')} needs --synthetic"
@@ -320,6 +338,7 @@ def main(args: argparse.Namespace) -> int:
     from hsx.reference.faults import FaultInjector, PrefixCache
     from hsx.reference.server import Engine, ServerSettings, log, run_server
 
+    runner: ModelRunner | SyntheticRunner
     try:
         if args.synthetic:
             runner = _synthetic_runner(args)
@@ -345,7 +364,7 @@ def main(args: argparse.Namespace) -> int:
         anonymous=args.anonymous_dumps,
     )
     engine = Engine(
-        runner,
+        cast("ModelRunner", runner),  # Engine's annotation names ModelRunner; SyntheticRunner has its interface
         dumper,
         args.name_by,
         faults=FaultInjector() if args.enable_fault_injection else None,

@@ -7,6 +7,12 @@ This package imports nothing heavy itself; `exporter_class(name)` loads a target
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hsx.exports.base import Exporter, ExportResult
 
 TARGETS = {
     "specforge": ("hsx.exports.specforge", "SpecForgeExporter"),
@@ -15,14 +21,22 @@ TARGETS = {
 }
 
 
-def exporter_class(target: str):
+def exporter_class(target: str) -> type[Exporter]:
     if target not in TARGETS:
         raise KeyError(f"unknown export target {target!r}; one of {sorted(TARGETS)}")
     module, name = TARGETS[target]
-    return getattr(importlib.import_module(module), name)
+    cls: type[Exporter] = getattr(importlib.import_module(module), name)
+    return cls
 
 
-def export_job(target: str, source, out_dir, *, progress=None, **options):
+def export_job(
+    target: str,
+    source: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    **options: Any,
+) -> ExportResult:
     """Export the job at `source` (job folder or manifest.json) into `out_dir` for `target`.
 
     Raises `ExportRefused` when the job or the folder does not fit; returns an `ExportResult`.

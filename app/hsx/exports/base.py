@@ -16,9 +16,10 @@ import json
 import os
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 import torch
 
@@ -115,7 +116,7 @@ class Exporter(ABC):
         """The shard tensors one file needs."""
 
     @abstractmethod
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         """Everything that shapes the files; a rerun into the same folder must match it."""
 
     def notes(self) -> list[str]:
@@ -138,14 +139,14 @@ class Exporter(ABC):
         return [rows[layer_key(i)] for i in layers]
 
 
-def _read_record(path: Path) -> dict | None:
+def _read_record(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
 
 
-def _check_folder(out_dir: Path, record: dict, plan: list[PlannedFile]) -> bool:
+def _check_folder(out_dir: Path, record: dict[str, Any], plan: list[PlannedFile]) -> bool:
     """Refuse an output folder that holds anything but an earlier run of this same export.
 
     Returns whether the earlier run finished with exactly this record (nothing to do but check files).
@@ -184,13 +185,13 @@ def _remove_stale_temps(folders: set[Path]) -> None:
                     p.unlink(missing_ok=True)
 
 
-def _write_record(path: Path, record: dict) -> None:
+def _write_record(path: Path, record: dict[str, Any]) -> None:
     with atomic_file(path) as f:
         f.write(json.dumps(record, indent=1).encode() + b"\n")
 
 
 def run_export(
-    exporter: Exporter, out_dir: str | os.PathLike, progress: Callable[[int, int], None] | None = None
+    exporter: Exporter, out_dir: str | os.PathLike[str], progress: Callable[[int, int], None] | None = None
 ) -> ExportResult:
     """Write every planned file not yet complete in `out_dir`; see the module docstring."""
     out_dir = Path(out_dir)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -74,7 +74,7 @@ class ModelOptExporter(Exporter):
         require_layers(
             job,
             self.target,
-            self.aux_layers + [self.num_layers],
+            [*self.aux_layers, self.num_layers],
             f"aux {self.aux_layers} = hidden_states[lid + 1] for Model Optimizer aux layer ids "
             f"{[i - 1 for i in self.aux_layers]}, plus {self.num_layers} = the final layer after the norm",
         )
@@ -94,9 +94,9 @@ class ModelOptExporter(Exporter):
         return [PlannedFile(name, i, s.id) for i, (name, s) in enumerate(zip(self._names, self.job.samples))]
 
     def keys(self) -> list[str]:
-        return ["input_ids", "loss_mask"] + [layer_key(i) for i in self.aux_layers + [self.num_layers]]
+        return ["input_ids", "loss_mask"] + [layer_key(i) for i in [*self.aux_layers, self.num_layers]]
 
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         return {"aux_layers": self.aux_layers, "last_layer": self.num_layers}
 
     def notes(self) -> list[str]:

@@ -19,7 +19,7 @@ SpecForge's aux layers are decoder layers [1, L//2 - 1, L - 4] taken at their ou
 
 from __future__ import annotations
 
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -63,7 +63,7 @@ class SpecForgeExporter(Exporter):
         require_layers(
             job,
             self.target,
-            self.aux_layers + [self.num_layers],
+            [*self.aux_layers, self.num_layers],
             f"aux {self.aux_layers} = SpecForge aux_hidden_state_layer_ids "
             f"{[i - 1 for i in self.aux_layers]}, plus {self.num_layers} = the final layer after the norm",
         )
@@ -77,9 +77,9 @@ class SpecForgeExporter(Exporter):
         ]
 
     def keys(self) -> list[str]:
-        return ["input_ids", "loss_mask"] + [layer_key(i) for i in self.aux_layers + [self.num_layers]]
+        return ["input_ids", "loss_mask"] + [layer_key(i) for i in [*self.aux_layers, self.num_layers]]
 
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         return {"aux_layers": self.aux_layers, "last_layer": self.num_layers, "group_size": self.group_size}
 
     def notes(self) -> list[str]:

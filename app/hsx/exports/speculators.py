@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -117,8 +117,8 @@ class SpeculatorsExporter(Exporter):
         require_layers(
             job,
             self.target,
-            self.aux_layers + [self.num_layers],
-            f"target_layer_ids {self.aux_layers + [self.num_layers]}: the aux layers, then the last layer",
+            [*self.aux_layers, self.num_layers],
+            f"target_layer_ids {[*self.aux_layers, self.num_layers]}: the aux layers, then the last layer",
         )
         self.final_norm_offset = (
             float(final_norm_offset) if final_norm_offset is not None else default_norm_offset(job.model_type)
@@ -147,7 +147,7 @@ class SpeculatorsExporter(Exporter):
 
     @property
     def target_layer_ids(self) -> list[int]:
-        return self.aux_layers + [self.num_layers]
+        return [*self.aux_layers, self.num_layers]
 
     def plan(self) -> list[PlannedFile]:
         return [PlannedFile(f"hidden_states/hs_{i}.safetensors", i, s.id) for i, s in enumerate(self.job.samples)]
@@ -155,7 +155,7 @@ class SpeculatorsExporter(Exporter):
     def keys(self) -> list[str]:
         return ["input_ids"] + [layer_key(i) for i in self.target_layer_ids]
 
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         final_norm = None
         if self.scale is not None:
             scale_sha256 = hashlib.sha256(self.scale.numpy().tobytes()).hexdigest()

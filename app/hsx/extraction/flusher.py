@@ -81,6 +81,7 @@ def _staged_dir(x: SampleRow) -> Path:
 class ShardFlusher:
     def __init__(
         self,
+        *,
         settings: Settings,
         identity: str,
         db: Database,

@@ -51,6 +51,7 @@ SWEEP_AGE_S = 120.0
 class RequestLoop:
     def __init__(
         self,
+        *,
         settings: Settings,
         identity: str,
         root: DumpRoot,

@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hsx.backends.capture import (
     PLUGIN_INFO_FILE,
@@ -50,7 +51,7 @@ class ServerVerdict:
 
     state: str
     reason: str | None = None
-    server: dict | None = None  # when ready: what /healthz shows of the server
+    server: dict[str, Any] | None = None  # when ready: what /healthz shows of the server
 
 
 class ServerWatch:
@@ -61,7 +62,7 @@ class ServerWatch:
         self.staging = staging
         # None until a check finds the server ready, and again from the moment it is seen to go away.
         self.extractor: SampleExtractor | None = None
-        self.model_info: dict = {}
+        self.model_info: dict[str, Any] = {}
         self.layers: list[int] | None = None  # the layers the server captures; None: not said
         self.capture: Capture | None = None
         self.backoff = Backoff()
@@ -151,8 +152,8 @@ class ServerWatch:
                 self.settings.name_by,
                 server_info,
                 model_info,
-                read_plugin_info(self.root.path),
-                self.root.path,
+                plugin_info=read_plugin_info(self.root.path),
+                dump_root=self.root.path,
             )
         except CaptureProblem as exc:
             self.extractor = None

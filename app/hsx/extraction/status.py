@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hsx.db import repository as repo
 
@@ -23,7 +23,7 @@ class WriterStatus:
     state: str = "starting"  # starting | ready | waiting | refusing | stopped
     reason: str | None = None
     since: float = field(default_factory=time.time)
-    server: dict | None = None
+    server: dict[str, Any] | None = None
 
     def set(self, state: str, reason: str | None = None) -> bool:
         """Returns whether anything changed."""
@@ -39,7 +39,7 @@ class StatusReport:
     """Records the writer's status in the database, renewing its lease: at once when the status
     changes, else from the heartbeat thread every `lease.renew_every_s`."""
 
-    def __init__(self, status: WriterStatus, lease: Lease, db: Database, stats: Callable[[], dict]):
+    def __init__(self, status: WriterStatus, lease: Lease, db: Database, stats: Callable[[], dict[str, float]]):
         self.status = status
         self.lease = lease
         self.identity = lease.identity

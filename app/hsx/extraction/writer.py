@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -72,19 +72,27 @@ class Writer:
         self._report = StatusReport(self.status, self.lease, self._db, self._stats)
         pause = DiskPause()
         finisher = JobFinisher(settings.output_root, self.staging, self._db, pause)
-        self._flusher = ShardFlusher(settings, self.identity, self._db, self.metrics, finisher, pause, self.lease)
+        self._flusher = ShardFlusher(
+            settings=settings,
+            identity=self.identity,
+            db=self._db,
+            metrics=self.metrics,
+            finisher=finisher,
+            pause=pause,
+            lease=self.lease,
+        )
         self._requests = RequestLoop(
-            settings,
-            self.identity,
-            self.root,
-            self._db,
-            server,
-            self._report,
-            self._flusher,
-            pause,
-            self.metrics,
-            self._stop,
-            self.lease,
+            settings=settings,
+            identity=self.identity,
+            root=self.root,
+            db=self._db,
+            server=server,
+            report=self._report,
+            flusher=self._flusher,
+            pause=pause,
+            metrics=self.metrics,
+            stop=self._stop,
+            lease=self.lease,
         )
 
     def acquire(self) -> None:
@@ -149,7 +157,7 @@ class Writer:
             except Exception:
                 log.exception("heartbeat failed")
 
-    def _stats(self) -> dict:
+    def _stats(self) -> dict[str, float]:
         return {
             "samples_staged": self.metrics.samples_staged,
             "tokens_extracted": self.metrics.tokens_extracted,

@@ -11,7 +11,7 @@ import shutil
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -142,7 +142,7 @@ class Dumper:
 
     def build_meta(
         self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int], cached_tokens: int = 0
-    ) -> dict:
+    ) -> dict[str, Any]:
         meta = {
             "num_tokens": len(input_ids),
             "layers": layers,
@@ -158,7 +158,7 @@ class Dumper:
             del meta["rid"], meta["input_ids_sha256"]
         return meta
 
-    def write_meta(self, directory: Path, meta: dict) -> None:
+    def write_meta(self, directory: Path, meta: dict[str, Any]) -> None:
         (directory / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
 
     def mark_done(self, directory: Path) -> None:

@@ -76,7 +76,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from fastapi import FastAPI, Request
@@ -143,35 +143,90 @@ def _is_number(v: Any) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
+def _count(where: str, value: Any) -> int:
+    if not _is_int(value) or value < 0:
+        raise FaultSettingsError(f"{where} must be an integer >= 0")
+    return value
+
+
+def _foreign_count(where: str, value: Any) -> int:
+    if not _is_int(value) or not 0 <= value <= MAX_FOREIGN:
+        raise FaultSettingsError(f"{where} must be an integer >= 0 and <= {MAX_FOREIGN}")
+    return value
+
+
+def _probability(where: str, value: Any) -> float:
+    if not _is_number(value) or not 0 <= value <= 1:
+        raise FaultSettingsError(f"{where} must be a number in [0, 1]")
+    return float(value)
+
+
+def _seconds(where: str, value: Any, alternative: str = "") -> float:
+    if not _is_number(value) or value < 0:
+        raise FaultSettingsError(f"{where} must be a number >= 0{alternative}")
+    return float(value)
+
+
+def _flag(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise FaultSettingsError(f"{where} must be a boolean")
+    return value
+
+
+def _exit_code(where: str, value: Any) -> int:
+    if not _is_int(value) or not 0 <= value <= 255:
+        raise FaultSettingsError(f"{where} must be an integer in [0, 255]")
+    return value
+
+
+def _bad_dump_kind(where: str, value: Any) -> str | list[str]:
+    kinds = value if isinstance(value, list) else [value]
+    if not kinds or not all(isinstance(k, str) and k in BAD_DUMP_KINDS for k in kinds):
+        raise FaultSettingsError(f"{where} must be one of {list(BAD_DUMP_KINDS)} or a non-empty list of them")
+    return value
+
+
+# The check of each setting, by key (a key means the same in every section that has it): the value
+# as stored, or FaultSettingsError. A null never gets here: it resets the key to its default.
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "count": _count,
+    "before": _foreign_count,
+    "after": _foreign_count,
+    "probability": _probability,
+    "seconds": _seconds,
+    "after_reply_s": lambda where, value: _seconds(where, value, " or null"),
+    "health_like": _flag,
+    "never": _flag,
+    "exit_code": _exit_code,
+    "kind": _bad_dump_kind,
+}
+
+
 def _check(section: str, key: str, value: Any) -> Any:
     where = f"{section}.{key}"
-    if key in ("count", "before", "after"):
-        limit = MAX_FOREIGN if key != "count" else None
-        if not _is_int(value) or value < 0 or (limit is not None and value > limit):
-            raise FaultSettingsError(f"{where} must be an integer >= 0{f' and <= {limit}' if limit else ''}")
+    check = _CHECKS.get(key)
+    if check is None:
+        raise AssertionError(where)
+    return check(where, value)
+
+
+def _merged_section(section: str, current: Any, value: Any) -> Any:
+    """One section of the settings after a merge patch's `value` for it: null resets the section to
+    its defaults, an object merges key by key into `current` (a null key resets that key)."""
+    if section == "seed":
+        if value is not None and not _is_int(value):
+            raise FaultSettingsError("seed must be an integer or null")
         return value
-    if key == "probability":
-        if not _is_number(value) or not 0 <= value <= 1:
-            raise FaultSettingsError(f"{where} must be a number in [0, 1]")
-        return float(value)
-    if key in ("seconds", "after_reply_s"):
-        if not _is_number(value) or value < 0:
-            raise FaultSettingsError(f"{where} must be a number >= 0{' or null' if key == 'after_reply_s' else ''}")
-        return float(value)
-    if key in ("health_like", "never"):
-        if not isinstance(value, bool):
-            raise FaultSettingsError(f"{where} must be a boolean")
-        return value
-    if key == "exit_code":
-        if not _is_int(value) or not 0 <= value <= 255:
-            raise FaultSettingsError(f"{where} must be an integer in [0, 255]")
-        return value
-    if key == "kind":
-        kinds = value if isinstance(value, list) else [value]
-        if not kinds or not all(isinstance(k, str) and k in BAD_DUMP_KINDS for k in kinds):
-            raise FaultSettingsError(f"{where} must be one of {list(BAD_DUMP_KINDS)} or a non-empty list of them")
-        return value
-    raise AssertionError(where)
+    defaults = DEFAULT_SETTINGS[section]
+    if value is None:
+        return copy.deepcopy(defaults)
+    if not isinstance(value, dict):
+        raise FaultSettingsError(f"{section} must be an object")
+    for key, item in value.items():
+        if key not in defaults:
+            raise FaultSettingsError(f"unknown setting {section}.{key}; expected one of {list(defaults)}")
+        current[key] = defaults[key] if item is None else _check(section, key, item)
+    return current
 
 
 @dataclass
@@ -202,7 +257,7 @@ class FaultInjector:
             self._rng = random.Random()
             self._unavailable_until = 0.0
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             remaining = max(0.0, self._unavailable_until - time.monotonic())
             return {
@@ -218,27 +273,12 @@ class FaultInjector:
         with self._lock:
             self._merge(patch)
 
-    def _merge(self, patch: dict) -> None:
+    def _merge(self, patch: dict[str, Any]) -> None:
         new = copy.deepcopy(self.settings)
         for section, value in patch.items():
             if section not in DEFAULT_SETTINGS:
                 raise FaultSettingsError(f"unknown fault setting {section!r}; expected one of {list(DEFAULT_SETTINGS)}")
-            if section == "seed":
-                if value is not None and not _is_int(value):
-                    raise FaultSettingsError("seed must be an integer or null")
-                new["seed"] = value
-                continue
-            if value is None:
-                new[section] = copy.deepcopy(DEFAULT_SETTINGS[section])
-                continue
-            if not isinstance(value, dict):
-                raise FaultSettingsError(f"{section} must be an object")
-            for key, item in value.items():
-                if key not in DEFAULT_SETTINGS[section]:
-                    raise FaultSettingsError(
-                        f"unknown setting {section}.{key}; expected one of {list(DEFAULT_SETTINGS[section])}"
-                    )
-                new[section][key] = DEFAULT_SETTINGS[section][key] if item is None else _check(section, key, item)
+            new[section] = _merged_section(section, new[section], value)
         self.settings = new
         if "seed" in patch:
             self._rng = random.Random(new["seed"])
@@ -364,7 +404,7 @@ class BadDumper(Dumper):
 
     def build_meta(
         self, rid: str, counter: int, input_ids: Sequence[int], layers: list[int], cached_tokens: int = 0
-    ) -> dict:
+    ) -> dict[str, Any]:
         meta = super().build_meta(rid, counter, self._ids(input_ids), layers, cached_tokens)
         if self.kind == "wrong_num_tokens":
             meta["num_tokens"] += 1
@@ -376,12 +416,16 @@ class BadDumper(Dumper):
             meta["layers"] = [*meta["layers"], meta["layers"][-1]]
         return meta
 
-    def write_meta(self, directory: Path, meta: dict) -> None:
+    def write_meta(self, directory: Path, meta: dict[str, Any]) -> None:
         if self.kind == "bad_meta_json":
             text = json.dumps(meta, indent=1)
             (directory / "meta.json").write_text(text[: len(text) // 2], encoding="utf-8")
         else:
             super().write_meta(directory, meta)
+
+
+# A prompt prefix in the cache: the next token -> the longer prefix.
+_TrieNode: TypeAlias = "dict[int, _TrieNode]"
 
 
 class PrefixCache:
@@ -393,7 +437,7 @@ class PrefixCache:
     """
 
     def __init__(self) -> None:
-        self._roots: dict[str | None, dict[int, dict]] = {}
+        self._roots: dict[str | None, _TrieNode] = {}
         self._lock = threading.Lock()
 
     def match(self, input_ids: Sequence[int], namespace: str | None = None) -> int:
@@ -421,7 +465,7 @@ def add_admin_routes(app: FastAPI, injector: FaultInjector) -> None:
     """Mount GET/POST/DELETE /admin/faults on a FastAPI app."""
 
     @app.get("/admin/faults")
-    async def get_faults() -> dict:
+    async def get_faults() -> dict[str, Any]:
         return injector.snapshot()
 
     @app.post("/admin/faults")
@@ -437,6 +481,6 @@ def add_admin_routes(app: FastAPI, injector: FaultInjector) -> None:
         return injector.snapshot()
 
     @app.delete("/admin/faults")
-    async def delete_faults() -> dict:
+    async def delete_faults() -> dict[str, Any]:
         injector.reset()
         return injector.snapshot()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 import transformers
@@ -10,7 +11,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 # Re-exported: callers import these from here.
-from hsx.reference.common import DTYPES, ForwardResult, dtype_name  # noqa: F401
+from hsx.reference.common import DTYPES, ForwardResult, dtype_name
 
 EMBEDDED_MODEL_PATH = "hsx-embedded-tiny-llama"
 
@@ -108,7 +109,8 @@ class ModelRunner:
             return ForwardResult(hidden_states=hidden, final_hidden=final, output_ids=output_ids)
         return ForwardResult(hidden_states=hidden, final_hidden=None, output_ids=output_ids, final_hidden_fn=final.cpu)
 
-    def _greedy_decode(self, prefill_out, max_new_tokens: int) -> list[int]:
+    def _greedy_decode(self, prefill_out: Any, max_new_tokens: int) -> list[int]:
+        """The next tokens after the prefill's output (transformers' CausalLMOutputWithPast), by argmax."""
         output_ids: list[int] = []
         out = prefill_out
         while len(output_ids) < max_new_tokens:

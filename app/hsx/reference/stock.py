@@ -183,7 +183,7 @@ def not_bool_or_list(value: Any) -> str:
     return f"invalid type: {_contract_type(value)}, expected a value or an array of values for BoolOrList"
 
 
-def request_flags(body: dict, key: str, n: int, is_batch: bool) -> list[bool]:
+def request_flags(body: dict[str, Any], key: str, n: int, is_batch: bool) -> list[bool]:
     """A bool-or-list-of-bools field (return_logprob) per sequence, refused as the API contract refuses it."""
     raw = body.get(key, False)
     values = raw if isinstance(raw, list) and is_batch and len(raw) == n else [raw] * n
@@ -216,8 +216,27 @@ class StockRequest:
 
 
 def parse_stock_generate(body: Any, runner: ModelRunner, server_mode: str | None) -> StockRequest:
+    """A /generate body as stock SGLang reads it; BadRequest where SGLang refuses it."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    sequences, is_batch = _stock_sequences(body, runner)
+    n = len(sequences)
+    rids = _stock_rids(body.get("rid"), n, is_batch)
+    modes = _stock_modes(body.get("return_hidden_states", False), n, is_batch, server_mode)
+    max_new_tokens = parse_max_new_tokens(body)
+    return StockRequest(
+        sequences,
+        rids,
+        is_batch,
+        max_new_tokens,
+        modes,
+        parse_extra_keys(body.get("extra_key"), n, is_batch),
+        request_flags(body, "return_logprob", n, is_batch),
+    )
+
+
+def _stock_sequences(body: dict[str, Any], runner: ModelRunner) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids, and whether the body is a batch (a list of such lists)."""
     if body.get("text") is not None or body.get("input_embeds") is not None:
         raise BadRequest("this server runs with --skip-tokenizer-init: send input_ids")
     raw = body.get("input_ids")
@@ -229,10 +248,13 @@ def parse_stock_generate(body: Any, runner: ModelRunner, server_mode: str | None
         check_ids(ids, f"input_ids[{n}]" if is_batch else "input_ids", runner.vocab_size, max_len)
         for n, ids in enumerate(raw if is_batch else [raw])
     ]
-    n = len(sequences)
-    rid = body.get("rid")
+    return sequences, is_batch
+
+
+def _stock_rids(rid: Any, n: int, is_batch: bool) -> list[str]:
+    """One rid per sequence: generated, numbered from the one given, or the batch's list; never twice the same."""
     if rid is None:
-        rids = [uuid.uuid4().hex for _ in sequences]
+        rids = [uuid.uuid4().hex for _ in range(n)]
     elif isinstance(rid, str):
         rids = [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
     elif is_batch and isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) for r in rid):
@@ -242,13 +264,17 @@ def parse_stock_generate(body: Any, runner: ModelRunner, server_mode: str | None
     duplicates = sorted({r for r in rids if rids.count(r) > 1})
     if duplicates:
         raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
-    raw_modes = body.get("return_hidden_states", False)
-    if isinstance(raw_modes, list):
-        if not is_batch or len(raw_modes) != n:
+    return rids
+
+
+def _stock_modes(raw: Any, n: int, is_batch: bool, server_mode: str | None) -> list[str | None]:
+    """Each sequence's return_hidden_states mode, none beyond what the server was launched with."""
+    if isinstance(raw, list):
+        if not is_batch or len(raw) != n:
             raise BadRequest("The length of return_hidden_states should be equal to the batch size.")
-        modes = [request_mode(m) for m in raw_modes]
+        modes = [request_mode(m) for m in raw]
     else:
-        modes = [request_mode(raw_modes)] * n
+        modes = [request_mode(raw)] * n
     if max(MODES[m] for m in modes) > MODES[server_mode]:
         if server_mode is not None:
             raise BadRequest(
@@ -259,16 +285,7 @@ def parse_stock_generate(body: Any, runner: ModelRunner, server_mode: str | None
             "The server is not configured to return hidden states. Please set `--return-hidden-states-mode last`, "
             "`--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag."
         )
-    max_new_tokens = parse_max_new_tokens(body)
-    return StockRequest(
-        sequences,
-        rids,
-        is_batch,
-        max_new_tokens,
-        modes,
-        parse_extra_keys(body.get("extra_key"), n, is_batch),
-        request_flags(body, "return_logprob", n, is_batch),
-    )
+    return modes
 
 
 @dataclass
@@ -380,7 +397,7 @@ class StockEngine:
         self.rids = RidsInFlight()
         self._lock = threading.Lock()
 
-    def generate(self, req: StockRequest, *, cacheable: bool = True) -> list[dict]:
+    def generate(self, req: StockRequest, *, cacheable: bool = True) -> list[dict[str, Any]]:
         with self.rids.claim(req.rids), self._lock:
             started = time.monotonic()
             results, passes = [], []
@@ -441,7 +458,7 @@ class StockEngine:
 
     def _reply(
         self, rid: str, ids: list[int], result: ForwardResult, mode: str | None, passes: list[PrefillPass]
-    ) -> dict:
+    ) -> dict[str, Any]:
         n = len(result.output_ids)
         meta: dict[str, Any] = {
             "id": rid,
@@ -469,13 +486,27 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def create_stock_app(engine: StockEngine, ready: threading.Event) -> FastAPI:
-    runner, args = engine.runner, engine.args
     app = FastAPI(title="hsx reference server (stock SGLang 0.5.23)")
-    started = time.time()
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         return _error(400, str(exc))
+
+    _add_generate_routes(app, engine, ready)
+    _add_info_routes(app, engine, started=time.time())
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        if engine.cache is not None:
+            engine.cache.clear()
+        return PlainTextResponse("Cache flushed.")
+
+    return app
+
+
+def _add_generate_routes(app: FastAPI, engine: StockEngine, ready: threading.Event) -> None:
+    """/generate, and the health checks that run a one-token generation through the engine."""
+    runner, args = engine.runner, engine.args
 
     def generate_sync(body: Any) -> Any:
         req = parse_stock_generate(body, runner, args.hidden_mode)
@@ -502,7 +533,12 @@ def create_stock_app(engine: StockEngine, ready: threading.Event) -> FastAPI:
     async def health() -> Response:
         return await run_in_threadpool(health_sync)
 
-    def model_info() -> dict:
+
+def _add_info_routes(app: FastAPI, engine: StockEngine, *, started: float) -> None:
+    """What SGLang says about its model and its settings, each also under its get_* name."""
+    runner, args = engine.runner, engine.args
+
+    def model_info() -> dict[str, Any]:
         config = runner.model.config
         return {
             "model_path": runner.model_path,
@@ -517,7 +553,7 @@ def create_stock_app(engine: StockEngine, ready: threading.Event) -> FastAPI:
             "architectures": getattr(config, "architectures", None),
         }
 
-    def server_info() -> dict:
+    def server_info() -> dict[str, Any]:
         return {
             **args.resolved(),
             "max_req_input_len": max_req_input_len(runner),
@@ -530,14 +566,6 @@ def create_stock_app(engine: StockEngine, ready: threading.Event) -> FastAPI:
     for path, handler in (("model_info", model_info), ("server_info", server_info)):
         app.add_api_route(f"/{path}", handler, methods=["GET"])
         app.add_api_route(f"/get_{path}", handler, methods=["GET"])
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> PlainTextResponse:
-        if engine.cache is not None:
-            engine.cache.clear()
-        return PlainTextResponse("Cache flushed.")
-
-    return app
 
 
 def start_stock(args: StockArgs, runner: ModelRunner) -> tuple[StockEngine, Callable[[threading.Event], FastAPI]]:

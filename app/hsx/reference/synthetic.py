@@ -38,6 +38,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from typing import TypedDict
 
 import torch
 
@@ -152,6 +153,12 @@ def synthetic_output_ids(input_ids: Sequence[int], max_new_tokens: int, vocab_si
     return out
 
 
+class BatcherStats(TypedDict):
+    batches: int
+    requests: int
+    largest_batch: int
+
+
 class Batcher:
     """Simulated GPU time with batching: callers queue, one thread runs what is waiting as one batch.
 
@@ -174,7 +181,7 @@ class Batcher:
         self._queue.put((num_tokens, finished))
         finished.wait()
 
-    def stats(self) -> dict:
+    def stats(self) -> BatcherStats:
         return {"batches": self.batches, "requests": self.requests, "largest_batch": self.largest_batch}
 
     def _loop(self) -> None:
@@ -193,6 +200,17 @@ class Batcher:
             self.largest_batch = max(self.largest_batch, len(batch))
             for _, finished in batch:
                 finished.set()
+
+
+class SyntheticInfo(TypedDict):
+    """What the server's info shows of a synthetic model (`synthetic`)."""
+
+    seed: int
+    prefill_us_per_token: float
+    per_request_us: float
+    max_batch: int
+    batching: bool
+    stats: BatcherStats | None
 
 
 class SyntheticRunner:
@@ -243,7 +261,7 @@ class SyntheticRunner:
         self.batcher = Batcher(max_batch, prefill_us_per_token, per_request_us) if batching else None
         self._table = _table(hidden_size, self.dtype, seed)  # built now rather than in the first request
 
-    def info(self) -> dict:
+    def info(self) -> SyntheticInfo:
         return {
             "seed": self.seed,
             "prefill_us_per_token": self.prefill_us_per_token,
@@ -267,9 +285,13 @@ class SyntheticRunner:
                 time.sleep(cost_us / 1e6)
         hidden = self.hidden_states(input_ids, self.layers)
         last = self.num_hidden_layers
+
+        def final_hidden() -> torch.Tensor:  # only computed when a reply needs it
+            return self.hidden_states(input_ids, [last])[last].materialize()
+
         return ForwardResult(
             hidden_states=hidden,
             final_hidden=None,
-            final_hidden_fn=lambda: self.hidden_states(input_ids, [last])[last].materialize(),
+            final_hidden_fn=final_hidden,
             output_ids=synthetic_output_ids(input_ids, max_new_tokens, self.vocab_size, self.seed),
         )

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 
 def fsync_path(path: Path) -> None:

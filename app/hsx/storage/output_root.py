@@ -8,6 +8,7 @@ share a database compare this id, not paths, to know that they write to one fold
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -55,10 +56,9 @@ def create_marker(root: Path) -> str:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        try:
+        # Another process's marker got there first: the one read below is the root's.
+        with contextlib.suppress(FileExistsError):
             os.link(tmp, marker_path(root))
-        except FileExistsError:
-            pass
     finally:
         tmp.unlink(missing_ok=True)
     fsync_path(root)

@@ -13,6 +13,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hsx.dtypes import DTYPES_BY_CODE
 
@@ -56,7 +57,7 @@ class TensorSpan:
         return data
 
 
-def _read_header(path: Path) -> tuple[dict, int, int]:
+def _read_header(path: Path) -> tuple[dict[str, Any], int, int]:
     """The header as parsed JSON, where the data starts, and the file's size."""
     try:
         with open(path, "rb") as f:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Generator
 
 import numpy as np
 
@@ -127,6 +127,44 @@ def _check_only(src: TensorSpan | bytes, files: dict[Path, int], check: Callable
         return all(check(piece) for piece in pieces)
 
 
+def _offsets(samples: list[ShardSample], layers: list[int], row_bytes: int) -> tuple[list[int], int]:
+    """Each sample's first row in the shard, and the rows of all of them."""
+    offsets, total = [], 0
+    for s in samples:
+        _check_fits(s, layers, row_bytes)
+        offsets.append(total)
+        total += s.num_tokens
+    return offsets, total
+
+
+def _check_fits(s: ShardSample, layers: list[int], row_bytes: int) -> None:
+    """ValueError unless the sample's mask and layers have its rows: a source that does not fit them
+    would give a shard whose header lies about its data."""
+    if s.loss_mask.shape != s.input_ids.shape:
+        raise ValueError(f"{s.sample_id}: loss_mask has {s.loss_mask.shape[0]} values for {s.num_tokens} tokens")
+    for layer in layers:
+        src = s.layers[layer]
+        size = src.nbytes if isinstance(src, TensorSpan) else len(src)
+        if size != s.num_tokens * row_bytes:
+            raise ValueError(f"{s.sample_id}: layer_{layer} has {size} bytes, expected {s.num_tokens * row_bytes}")
+
+
+def _write_layers(
+    out: _Out, samples: list[ShardSample], layers: list[int], files: dict[Path, int], finite: FiniteCheck
+) -> dict[str, str]:
+    """Copy every layer of every sample, in the shard's order, checking each value; returns why, per
+    sample id, samples were refused. After the first refusal nothing more is written: the other
+    samples are only checked, so that the caller learns every bad one at once."""
+    bad: dict[str, str] = {}
+    for layer in layers:
+        for s in samples:
+            if s.sample_id in bad:
+                continue
+            if not (_check_only if bad else out.layer)(s.layers[layer], files, finite):
+                bad[s.sample_id] = f"layer_{layer} holds NaN or Inf"
+    return bad
+
+
 def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int) -> ShardInfo:
     """Write `samples` as one shard at `path`, atomically; return what the manifest records.
 
@@ -138,19 +176,7 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers {layers} name a layer twice: a shard holds one layer_<i> tensor per layer")
     code = DTYPES[dtype].code
-    row_bytes = hidden_size * DTYPES[dtype].itemsize
-    offsets, total = [], 0
-    for s in samples:
-        # A source that does not fit its rows would give a shard whose header lies about its data.
-        if s.loss_mask.shape != s.input_ids.shape:
-            raise ValueError(f"{s.sample_id}: loss_mask has {s.loss_mask.shape[0]} values for {s.num_tokens} tokens")
-        for layer in layers:
-            src = s.layers[layer]
-            size = src.nbytes if isinstance(src, TensorSpan) else len(src)
-            if size != s.num_tokens * row_bytes:
-                raise ValueError(f"{s.sample_id}: layer_{layer} has {size} bytes, expected {s.num_tokens * row_bytes}")
-        offsets.append(total)
-        total += s.num_tokens
+    offsets, total = _offsets(samples, layers, hidden_size * DTYPES[dtype].itemsize)
     entries: list[tuple[str, str, tuple[int, ...]]] = [("input_ids", "I64", (total,)), ("loss_mask", "I64", (total,))]
     entries += [(f"layer_{i}", code, (total, hidden_size)) for i in layers]
     metadata = {
@@ -165,14 +191,7 @@ def write_shard(path: Path, samples: list[ShardSample], layers: list[int], dtype
             out.write(encode_header(entries, metadata))
             out.write(np.concatenate([s.input_ids for s in samples]).astype("<i8").tobytes())
             out.write(np.concatenate([s.loss_mask for s in samples]).astype("<i8").tobytes())
-            finite = FiniteCheck(dtype)
-            bad: dict[str, str] = {}
-            for layer in layers:
-                for s in samples:
-                    if s.sample_id in bad:
-                        continue
-                    if not (_check_only if bad else out.layer)(s.layers[layer], files, finite):
-                        bad[s.sample_id] = f"layer_{layer} holds NaN or Inf"
+            bad = _write_layers(out, samples, layers, files, FiniteCheck(dtype))
             if bad:
                 raise NonFiniteSamples(bad)
             sink.finish()

@@ -20,6 +20,7 @@ kernel's read, and checked and hashed there while they are still in the processo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -54,7 +55,7 @@ class BufferedSink:
     def advance(self, n: int) -> None:
         self.write(self.scratch[:n])
 
-    def write(self, data) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self.f.write(data)
         self.count += len(data)
         if self.count - self.flushed >= WRITEBACK_EVERY:
@@ -114,7 +115,7 @@ class DirectSink:
         self.buffers = [_POOL.take() for _ in range(2)]
         self.finished = False  # finish() wrote everything: the buffers are free for the next shard
         self.views = [memoryview(b) for b in self.buffers]
-        self.writes: list[Future | None] = [None, None]
+        self.writes: list[Future[None] | None] = [None, None]
         self.io = ThreadPoolExecutor(1, thread_name_prefix="hsx-direct-io")
         self.current = 0
         self.used = 0
@@ -138,7 +139,7 @@ class DirectSink:
         if self.used == BUFFER_BYTES:
             self._submit(BUFFER_BYTES)
 
-    def write(self, data) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         with memoryview(data) as view, view.cast("B") as src:
             taken = 0
             while taken < len(src):
@@ -174,10 +175,9 @@ class DirectSink:
 
     def close(self) -> None:
         for index in (0, 1):
-            try:
+            # An error here already reached the caller through write() or finish().
+            with contextlib.suppress(OSError):
                 self._wait(index)
-            except OSError:
-                pass  # the error already reached the caller through write() or finish()
         self.io.shutdown()
         os.close(self.fd)
         for view in self.views:
@@ -188,10 +188,8 @@ class DirectSink:
                 continue
             # After a failure a piece of the buffer may still be held (by the exception's traceback):
             # not reused, freed along with that.
-            try:
+            with contextlib.suppress(BufferError):
                 buffer.close()
-            except BufferError:
-                pass
 
 
 def open_sink(f: BinaryIO) -> BufferedSink | DirectSink:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from collections.abc import Callable
 
 SYNC_FILE_RANGE_WRITE = 2
 
 
-def _load():
+def _load() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range, on Linux where libc has it."""
     if not sys.platform.startswith("linux"):
         return None
     try:

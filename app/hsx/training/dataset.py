@@ -15,6 +15,7 @@ Opened shards are cached per process (a few at a time), so DataLoader workers ea
 from __future__ import annotations
 
 import os
+from typing import TypedDict
 
 import torch
 from torch.utils.data import Dataset
@@ -34,7 +35,17 @@ def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPES[dtype].torch
 
 
-class HiddenStateDataset(Dataset):
+class HiddenStateItem(TypedDict):
+    """One item of the Dataset: see the module docstring."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    aux_hidden_state: torch.Tensor
+    hidden_state: torch.Tensor
+    id: str
+
+
+class HiddenStateDataset(Dataset[HiddenStateItem]):
     """One job's stored samples, in manifest order.
 
     `manifest_or_job_dir`: the job folder or its manifest.json. `aux_layers`: the auxiliary layers
@@ -45,7 +56,7 @@ class HiddenStateDataset(Dataset):
 
     def __init__(
         self,
-        manifest_or_job_dir: str | os.PathLike,
+        manifest_or_job_dir: str | os.PathLike[str],
         *,
         aux_layers: list[int] | None = None,
         last_layer: int | None = None,
@@ -72,7 +83,7 @@ class HiddenStateDataset(Dataset):
         """Token count of every sample, in order (for length-grouped batching)."""
         return [e.num_tokens for e in self._entries]
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int) -> HiddenStateItem:
         n = len(self._entries)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for {n} samples")

@@ -12,6 +12,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -56,7 +57,7 @@ class StoredJob:
         return str(value) if value is not None else None
 
 
-def load_job(source: str | os.PathLike) -> StoredJob:
+def load_job(source: str | os.PathLike[str]) -> StoredJob:
     """Read and check a job's manifest; ValueError says what is wrong with it."""
     job_dir, manifest_path = locate(source)
     manifest = load_manifest(manifest_path, readable=True)
@@ -72,9 +73,9 @@ class ShardReader:
         self.job_dir = Path(job_dir)
         self.max_open = max_open
         self._pid: int | None = os.getpid()
-        self._handles: OrderedDict[str, object] = OrderedDict()
+        self._handles: OrderedDict[str, safe_open] = OrderedDict()
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         state["_pid"] = None
@@ -84,7 +85,7 @@ class ShardReader:
         """The shards this process holds open now (oldest first)."""
         return list(self._handles) if self._pid == os.getpid() else []
 
-    def handle(self, shard: str):
+    def handle(self, shard: str) -> safe_open:
         if self._pid != os.getpid():  # a forked worker: the parent's handles are not ours
             self._handles = OrderedDict()
             self._pid = os.getpid()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from hsx_sglang import __version__
-from hsx_sglang.dumpdir import DTYPE_NAMES, DumpDirWriter
+from hsx_sglang.dumpdir import DTYPE_NAMES, DumpDirWriter, PluginInfo
 from hsx_sglang.layers import CapturedLayers
 from hsx_sglang.settings import SAFE_RID, PluginSettings
 from hsx_sglang.writer import DumpJob, DumpWriterThread
@@ -92,6 +92,10 @@ class PrefillCapture:
                 "the forward kept no aux or no last hidden states "
                 "(launch with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3)"
             )
+        return self._rows_problem(aux, last, lens)
+
+    def _rows_problem(self, aux: Any, last: Any, lens: Any) -> str | None:
+        """The captured rows against the batch: 2-D, a row per extend token, the aux layers side by side."""
         if aux.dim() != 2 or last.dim() != 2:
             return f"hidden states of shapes {list(aux.shape)} and {list(last.shape)}, expected 2-D"
         tokens = sum(int(n) for n in lens)
@@ -126,7 +130,7 @@ DUMP_PROTOCOL = 1
 
 def plugin_info(
     settings: PluginSettings, *, layers: CapturedLayers, boot_id: str, hidden_size: int, dtype: str, sglang_version: str
-) -> dict:
+) -> PluginInfo:
     """What the service needs to know about this server's dumps (`hsx-plugin.json`, README.md)."""
     return {
         "format": PLUGIN_INFO_FORMAT,

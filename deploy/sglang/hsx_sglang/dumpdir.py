@@ -13,6 +13,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -28,6 +29,36 @@ TEMP_PREFIX = ".hsx-tmp-"  # never `req_`: readers and clearers of the root only
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
+class DumpMeta(TypedDict):
+    """A dump's `meta.json`."""
+
+    num_tokens: int
+    layers: list[int]
+    hidden_size: int
+    dtype: str
+    rid: str
+    boot_id: str
+    cached_tokens: int
+    input_ids_sha256: str
+
+
+class PluginInfo(TypedDict):
+    """`hsx-plugin.json`: what the service needs to know about this server's dumps (README.md)."""
+
+    format: str
+    plugin: str
+    plugin_version: str
+    sglang_version: str
+    protocol: int
+    dump_root: str
+    name_by: str
+    rid_prefix: str
+    layers: list[int]
+    hidden_size: int
+    dtype: str
+    boot_id: str
+
+
 def input_ids_sha256(ids: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i8").tobytes()).hexdigest()
 
@@ -41,7 +72,7 @@ class HostDump:
     prompt_ids: np.ndarray  # int64, the whole prompt
     cached_tokens: int  # prompt tokens the prefix cache served: the rows cover prompt_ids[cached_tokens:]
 
-    def meta(self, boot_id: str) -> dict:
+    def meta(self, boot_id: str) -> DumpMeta:
         first = next(iter(self.layers.values()))
         return {
             "num_tokens": int(first.shape[0]),
@@ -99,7 +130,7 @@ class DumpDirWriter:
             if not p.name.startswith(f"{TEMP_PREFIX}{self.boot_id}-") and p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
 
-    def write_plugin_info(self, info: dict) -> Path:
+    def write_plugin_info(self, info: PluginInfo) -> Path:
         """Replace `hsx-plugin.json` atomically (several scheduler processes may write the same content)."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / PLUGIN_INFO_FILE

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from hsx.cli.client.common import ENV_NOTE, add_common, follow, print_json, progress_line, run
 from hsx.states import JobState
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient
 
 NAME = "cancel"
 HELP = "cancel a job: queued samples are cancelled, those in flight are finished and stored"
@@ -32,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         job = hsx.cancel(args.job)
         if not args.wait:
             print_json(job) if args.json else print(f"{job.id} {job.state}\n{progress_line(job)}")

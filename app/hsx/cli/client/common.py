@@ -7,7 +7,9 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, TextIO
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TextIO
 
 from hsx.states import TERMINAL_JOB_STATES, JobState
 
@@ -78,7 +80,7 @@ def report(
         print(f"  ... and {len(exc.errors) - max_errors} more", file=stream)
 
 
-def describe_error(err: dict) -> str:
+def describe_error(err: dict[str, Any]) -> str:
     where = []
     if err.get("sample_index") is not None:
         where.append(f"sample {err['sample_index']}")
@@ -108,7 +110,7 @@ def print_json(obj: Any, stream: TextIO | None = None) -> None:
 def duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
-    s = int(round(seconds))
+    s = round(seconds)
     if s < 60:
         return f"{s}s"
     if s < 3600:
@@ -183,7 +185,7 @@ def outcome(job: Job, *, as_json: bool) -> int:
     return 0 if job.state == JobState.SUCCEEDED else 1
 
 
-def when(dt, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+def when(dt: datetime | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
     """A service time (UTC) in this machine's time zone."""
     return dt.astimezone().strftime(fmt) if dt is not None else "-"
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient
 
 NAME = "delete"
 HELP = "delete a finished job (and with --files its shards and manifest)"
@@ -25,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         hsx.delete(args.job, files=args.files)
         if args.json:
             print_json({"deleted": args.job, "files": args.files})

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 from hsx.cli.client.common import ENV_NOTE, add_common, follow, human_bytes, print_json, run
 from hsx.states import TERMINAL_JOB_STATES
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient
 
 NAME = "download"
 HELP = "download a job's shards and manifest.json into DIR (resumable, sha256-checked)"
@@ -55,8 +59,18 @@ class ShardProgress:
             self.drawn = False
 
 
+class DownloadedShard(TypedDict):
+    """A shard as the command reports it (--json: `shards`)."""
+
+    name: str
+    bytes: int
+    sha256: str
+    resumed_from: int  # bytes that were there from an earlier run
+    skipped: bool  # whole already: nothing fetched
+
+
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         if args.wait:
             job = follow(hsx, args.job, as_json=args.json) if not args.json else hsx.wait(args.job, max_poll_s=2)
             if not args.json:
@@ -67,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
             manifest = hsx.download_job(args.job, directory, on_progress=progress)
         finally:
             progress.clear()
-        shards = []
+        shards: list[DownloadedShard] = []
         for s in manifest.shards:
             resumed = progress.started.get(s.name)
             shards.append(
@@ -97,16 +111,16 @@ def main(args: argparse.Namespace) -> int:
                 }
             )
             return 0
-        for s in shards:
+        for shard in shards:
             how = (
                 "already there"
-                if s["skipped"]
-                else f"resumed from byte {s['resumed_from']}"
-                if s["resumed_from"]
+                if shard["skipped"]
+                else f"resumed from byte {shard['resumed_from']}"
+                if shard["resumed_from"]
                 else "downloaded"
             )
-            print(f"  {s['name']}  {human_bytes(s['bytes'])}  sha256 ok  ({how})")
-        total = sum(s["bytes"] for s in shards)
+            print(f"  {shard['name']}  {human_bytes(shard['bytes'])}  sha256 ok  ({how})")
+        total = sum(shard["bytes"] for shard in shards)
         print(
             f"{manifest.job_id} {manifest.state}: {len(shards)} shard(s), {human_bytes(total)}, "
             f"{len(manifest.samples)} sample(s) in {directory}/" + (" with manifest.json" if finished else "")

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run, table, when
 from hsx.states import JobState
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient
 
 NAME = "jobs"
 HELP = "list jobs, newest first"
@@ -28,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         found = hsx.iter_jobs(state=args.state, page_size=1000 if args.all else max(1, min(args.limit, 1000)))
         jobs = list(found if args.all else islice(found, max(args.limit, 0)))
         if args.json:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient
 
 NAME = "manifest"
 HELP = "print a job's manifest (model, layers, shards with sha256, sample placement) or save it with -o"
@@ -31,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from hsx.sdk._core import write_atomic
 
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         manifest = hsx.manifest(args.job)
         doc = manifest.model_dump(mode="json")
         if args.output is None:

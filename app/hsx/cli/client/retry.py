@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from hsx.cli.client.common import ENV_NOTE, add_common, print_json, progress_line, run
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient
 
 NAME = "retry"
 HELP = "queue a job's failed samples again, with a fresh attempt budget"
@@ -24,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         job = hsx.retry(args.job)
         print_json(job) if args.json else print(
             f"{job.id} {job.state}: {job.counts.queued} sample(s) queued again\n{progress_line(job)}"

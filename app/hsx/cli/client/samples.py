@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run, table, when
 from hsx.states import SampleState
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient, Sample
 
 NAME = "samples"
 HELP = "list a job's samples (e.g. --state failed, with reasons) or show one with its attempts"
@@ -29,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
 
 
-def show_one(s) -> None:
+def show_one(s: Sample) -> None:
     print(
         f"{s.id}  #{s.index}  {s.state}  {s.expected_tokens} tokens  attempts {s.attempts}"
         + (f"  {s.shard} @ {s.offset}" if s.shard else "")
@@ -46,7 +50,7 @@ def show_one(s) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         if args.sample is not None:
             sample = hsx.get_sample(args.job, args.sample)
             print_json(sample) if args.json else show_one(sample)

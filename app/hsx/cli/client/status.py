@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from hsx.cli.client.common import (
     ENV_NOTE,
@@ -15,6 +16,9 @@ from hsx.cli.client.common import (
     run,
     when,
 )
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient, Job
 
 NAME = "status"
 HELP = "show a job's progress (bar, rate, ETA); --watch follows it until it finishes"
@@ -39,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
 
 
-def describe(job) -> list[str]:
+def describe(job: Job) -> list[str]:
     lines = [
         f"{job.id}  {job.name or '-'}  created {when(job.created_at)}"
         + (f"  layers {job.layers}" if job.layers else "")
@@ -56,7 +60,7 @@ def describe(job) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         if not args.watch:
             job = hsx.get_job(args.job)
             if args.json:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, BinaryIO
 
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, follow, outcome, print_json, run
 from hsx.layers import layers_arg
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient
 
 NAME = "submit"
 HELP = "create a job from a JSONL file (streamed) or a file under the service's input root"
@@ -43,8 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
 
 
+def _open_jsonl(path: str) -> BinaryIO:
+    """The file to stream; one that cannot be opened is a usage error, not a failed request."""
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+
+
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         if (args.file is None) == (args.input_path is None):
             raise UsageError("give exactly one of FILE or --input-path")
         options = {"name": args.name, "layers": args.layers, "idempotency_key": args.idempotency_key}
@@ -53,11 +65,7 @@ def main(args: argparse.Namespace) -> int:
         elif args.file == "-":
             job = hsx.submit_jsonl(sys.stdin.buffer, **options)
         else:
-            try:
-                source = open(args.file, "rb")
-            except OSError as exc:
-                raise UsageError(f"cannot read {args.file}: {exc.strerror}") from None
-            with source:
+            with _open_jsonl(args.file) as source:
                 job = hsx.submit_jsonl(source, **options)
         if not args.json:
             print(

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from hsx.cli.client.common import ENV_NOTE, add_common, print_json, run, table, when
+
+if TYPE_CHECKING:
+    from hsx.sdk import HsxClient
 
 NAME = "workers"
 HELP = "list the writers (workers) and their model servers, state and lease"
@@ -30,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    def body(hsx) -> int:
+    def body(hsx: HsxClient) -> int:
         workers = hsx.workers()
         if args.json:
             print_json(workers)
