@@ -213,6 +213,7 @@ def _check_rows(
     rows: ShardRows,
     name: str,
     s: ManifestSample,
+    *,
     hs: HiddenStates,
     vocab: int | None,
     chunk_rows: int,
@@ -502,7 +503,15 @@ def _check_values(check: _Check) -> None:
         with ShardRows(path, check.readable[name]) as rows:
             for s in placed:
                 try:
-                    _check_rows(rows, name, s, check.hidden_states, vocab, check.chunk_rows, check.faults)
+                    _check_rows(
+                        rows,
+                        name,
+                        s,
+                        hs=check.hidden_states,
+                        vocab=vocab,
+                        chunk_rows=check.chunk_rows,
+                        faults=check.faults,
+                    )
                 except Exception as exc:  # a read that fails is this sample's fault, not a crash
                     check.faults.sample(s.id, name, "unreadable", f"reading its rows failed: {exc}")
                     continue

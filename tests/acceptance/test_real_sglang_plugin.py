@@ -124,8 +124,8 @@ def test_the_imitation_answers_as_the_real_server_does(tmp_path, server, model):
     )
     try:
         with httpx.Client(timeout=60) as c:
-            for what, body in REQUESTS.items():
-                body = {"sampling_params": {"max_new_tokens": 1}} | body
+            for what, request in REQUESTS.items():
+                body = {"sampling_params": {"max_new_tokens": 1}} | request
                 got = [answer_view(c.post(url + "/generate", json=body)) for url in (server.url, imitation.url)]
                 assert got[0] == got[1], (what, got)
             infos = [c.get(url + "/server_info").json() for url in (server.url, imitation.url)]

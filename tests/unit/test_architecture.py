@@ -92,8 +92,8 @@ def _submodule_or(module: str, name: str) -> str:
 def allowed(rules: dict[str, set[str]], module: str, target: str) -> bool:
     """Whether `module` may import `target`: its own package, or what its package's row and the rows of
     the modules it lies in list."""
-    own = module.split(".")[0]
-    if target.split(".")[0] == own and module != "hsx":
+    own = module.split(".", maxsplit=1)[0]
+    if target.split(".", maxsplit=1)[0] == own and module != "hsx":
         return True
     parts = module.split(".")
     entries = set().union(*(rules.get(".".join(parts[:n]), set()) for n in range(1, len(parts) + 1)))

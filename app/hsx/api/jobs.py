@@ -108,6 +108,7 @@ CREATED_HEADERS = {"headers": {"Location": {"description": "the job's URL", "sch
 )
 async def create_job(
     request: Request,
+    *,
     response: Response,
     settings: SettingsDep,
     sessions: SessionsDep,

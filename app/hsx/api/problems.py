@@ -91,7 +91,7 @@ def install(app: FastAPI) -> None:
         )
 
     @app.exception_handler(ClientDisconnect)
-    async def _gone(request: Request, _: ClientDisconnect):
+    async def _gone(request: Request, _: ClientDisconnect) -> JSONResponse:
         # The client went away before its body was whole: nothing was stored (the transaction rolled
         # back) and nobody is left to read an answer. Routine for a client, so a line, not a traceback.
         log.info("%s %s: the client disconnected before its request body was whole", request.method, request.url.path)

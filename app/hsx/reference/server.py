@@ -218,7 +218,16 @@ class Engine:
             key = self._key(rid, counter)
             keys.append(key)
             last = n == len(bounds) - 1
-            self._write(key, rid, counter, ids, hidden, cached, plan if last else None, result)
+            self._write(
+                key,
+                rid,
+                counter,
+                input_ids=ids,
+                hidden=hidden,
+                cached=cached,
+                plan=plan if last else None,
+                result=result,
+            )
         chunks = f" chunks={len(bounds)}" if len(bounds) > 1 else ""
         log(
             f"req_{keys[-1]} counter={counter} rid={rid} prompt={total} cached={cached}{chunks} "
@@ -231,6 +240,7 @@ class Engine:
         key: str,
         rid: str,
         counter: int,
+        *,
         input_ids: list[int],
         hidden: HiddenStates,
         cached: int,
