@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-SOURCES = ("auto", "dumps", "response")
+SOURCES = ("auto", "dumps", "response", "vllm")
 TOKEN_ROLES = ("write", "read")
 
 
@@ -121,7 +121,8 @@ class Settings(BaseSettings):
         description="where hidden states come from: dumps (files in the dump root, from the hsx-sglang plugin or a "
         "server that writes them), response (a stock SGLang's return_hidden_states answers, no plugin) or auto "
         "(dumps when the server or an hsx-plugin.json in the dump root describes them, else response when the "
-        "server returns every prompt row, else dumps)",
+        "server returns every prompt row, else dumps); vllm (the files vLLM's extract_hidden_states writes through "
+        "hsx's connector, deploy/vllm; auto takes it when an hsx-vllm.json is in the dump root)",
     )
     name_by: str = Field("auto", description="dump naming: auto (ask the server), counter or rid")
     max_json_bytes: int = Field(64 * MiB, description="largest application/json request body")

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import safe_open
@@ -100,6 +100,9 @@ class ManifestHeader(BaseModel):
     # Which of `layers` hold the model's output after its final norm: layer L (model.num_hidden_layers)
     # in hsx's numbering, when captured. None: not recorded (an older manifest, or L unknown).
     post_norm_layers: list[Count] | None = None
+    # Where the source took layer L: post_norm (after the final norm: SGLang, the reference server) or
+    # pre_norm (the residual stream before it: vLLM's extract_hidden_states). None: an older manifest.
+    final_layer: Literal["pre_norm", "post_norm"] | None = None
     hidden_size: PositiveCount | None = None
     dtype: str | None = None
     shard_layout: dict[str, Any] | None = Field(default_factory=lambda: dict(SHARD_LAYOUT))
@@ -162,6 +165,14 @@ def locate(source: str | os.PathLike[str]) -> tuple[Path, Path]:
     return path, path / MANIFEST_NAME
 
 
+def post_norm_layers(layers: list[int] | None, num_layers: int | None, final_layer: str | None) -> list[int] | None:
+    """Which of the layers hold values after the final norm: layer L, unless the source took it
+    before the norm (vLLM: `final_layer` pre_norm); None when the layer count is not known."""
+    if layers is None or num_layers is None:
+        return None
+    return [] if final_layer == "pre_norm" else [i for i in layers if i == num_layers]
+
+
 def build_manifest(session: Session, job: JobRow, state: JobState | str | None = None) -> Manifest:
     """The job's manifest as the database has it now (`state` in place of the job's own, if given)."""
     from hsx.db import repository as repo  # here, not above: the SDK imports this module without a database
@@ -177,9 +188,8 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
             "state": state or job.state,
             "model": {k: info.get(k) for k in MODEL_KEYS},
             "layers": layers,
-            "post_norm_layers": None
-            if layers is None or num_layers is None
-            else [i for i in layers if i == num_layers],
+            "post_norm_layers": post_norm_layers(layers, num_layers, info.get("final_layer")),
+            "final_layer": info.get("final_layer") or "post_norm",
             "hidden_size": info.get("hidden_size"),
             "dtype": info.get("dtype"),
             "num_samples": job.num_samples,

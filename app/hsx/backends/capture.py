@@ -35,7 +35,7 @@ DEFAULT_RID_PREFIX = "hsx-"
 class Capture:
     """What the writer needs to know to take one sample's hidden states from this server."""
 
-    source: str  # "dumps" or "response"
+    source: str  # "dumps", "response" or "vllm" (hsx.backends.vllm)
     layers: list[int] | None  # the layers the server gives; None: not said (a job's own list is trusted)
     name_by: str = "counter"  # dumps: "counter" or "rid"
     rid_prefix: str = DEFAULT_RID_PREFIX
@@ -50,7 +50,7 @@ class Capture:
     @property
     def concurrent(self) -> bool:
         """Whether several requests may run at once: not when dumps are found by scanning the root."""
-        return self.source == "response" or self.name_by == "rid"
+        return self.source in ("response", "vllm") or self.name_by == "rid"
 
 
 class CaptureProblem(Exception):

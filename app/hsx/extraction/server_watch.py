@@ -29,6 +29,7 @@ from hsx.backends.dumps import DumpRejected, DumpRoot
 from hsx.backends.extract import Expectation, Extractor
 from hsx.backends.response import ResponseExtractor
 from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
+from hsx.backends.vllm import VLLMClient, VLLMExtractor, read_vllm_info, vllm_capture
 from hsx.config import Settings
 from hsx.extraction.backoff import Backoff
 from hsx.identity import Identity
@@ -39,8 +40,8 @@ log = logging.getLogger("hsx.writer")
 # The probe: a few tokens every vocabulary has.
 PROBE_IDS = [1, 2, 3, 4]
 
-# Hidden states from dumps in the dump root, or from the server's answers.
-SampleExtractor = Extractor | ResponseExtractor
+# Hidden states from dumps in the dump root, from the server's answers, or from vLLM's files.
+SampleExtractor = Extractor | ResponseExtractor | VLLMExtractor
 
 SERVER_RECHECK_S = 60.0
 
@@ -55,9 +56,13 @@ class ServerVerdict:
 
 
 class ServerWatch:
-    def __init__(self, settings: Settings, client: SGLangClient, root: DumpRoot, staging: Path):
+    def __init__(
+        self, settings: Settings, client: SGLangClient, root: DumpRoot, staging: Path, vllm: VLLMClient | None = None
+    ):
         self.settings = settings
         self.client = client
+        self.vllm = vllm or VLLMClient(settings.backend_url, settings.request_timeout_s)
+        self._vllm_model = ""  # the model name vLLM's requests give
         self.root = root
         self.staging = staging
         # None until a check finds the server ready, and again from the moment it is seen to go away.
@@ -122,6 +127,15 @@ class ServerWatch:
         return changed
 
     def _extractor_for(self, capture: Capture) -> SampleExtractor:
+        if capture.source == "vllm":
+            return VLLMExtractor(
+                self.vllm,
+                self.root.path,
+                self.staging,
+                capture,
+                model=self._vllm_model,
+                wait_s=self.settings.dump_wait_s,
+            )
         if capture.source == "response":
             return ResponseExtractor(self.client, self.staging, capture)
         return Extractor(
@@ -137,27 +151,46 @@ class ServerWatch:
         return time.monotonic() - self._checked_at >= SERVER_RECHECK_S
 
     def _check(self) -> ServerVerdict:
+        read = self._read_vllm if self._serves_vllm() else self._read_sglang
         try:
-            if self._outage:
-                # A restarting server answers some endpoints before it is ready; /health says when.
-                self.client.health()
-            model_info = self.client.model_info()
-            server_info = self.client.server_info()
+            found = read()
         except (BackendUnavailable, BackendRejected) as exc:
             self.lost()
             return ServerVerdict("waiting", f"model server not ready: {exc}")
-        try:
-            capture = decide(
-                self.settings.source,
-                self.settings.name_by,
-                server_info,
-                model_info,
-                plugin_info=read_plugin_info(self.root.path),
-                dump_root=self.root.path,
-            )
         except CaptureProblem as exc:
             self.extractor = None
             return ServerVerdict("refusing", str(exc))
+        return self._take(*found)
+
+    def _serves_vllm(self) -> bool:
+        source = self.settings.source
+        return source == "vllm" or (source == "auto" and read_vllm_info(self.root.path) is not None)
+
+    def _read_sglang(self) -> tuple[Capture, dict[str, Any]]:
+        """The capture and the described model of an SGLang-style server."""
+        if self._outage:
+            # A restarting server answers some endpoints before it is ready; /health says when.
+            self.client.health()
+        model_info = self.client.model_info()
+        server_info = self.client.server_info()
+        capture = decide(
+            self.settings.source,
+            self.settings.name_by,
+            server_info,
+            model_info,
+            plugin_info=read_plugin_info(self.root.path),
+            dump_root=self.root.path,
+        )
+        return capture, describe_model(model_info, server_info)
+
+    def _read_vllm(self) -> tuple[Capture, dict[str, Any]]:
+        """The same of a vLLM server, from what hsx's connector wrote into the dump root."""
+        self.vllm.health()
+        self._vllm_model = self.vllm.model()
+        return vllm_capture(read_vllm_info(self.root.path), self.root.path)
+
+    def _take(self, capture: Capture, described: dict[str, Any]) -> ServerVerdict:
+        """Use the capture found: probed first when the server is new or restarted."""
         boot_id = capture.boot_id
         restarted = bool(self._boot_id and boot_id and boot_id != self._boot_id)
         if restarted:
@@ -167,7 +200,7 @@ class ServerWatch:
         self.capture = capture
         self.layers = capture.layers
         self.proved(capture.identity, said=True)
-        self.model_info = describe_model(model_info, server_info)
+        self.model_info = described
         extractor = self._extractor_for(capture)
         if probe_due:
             try:
@@ -187,7 +220,7 @@ class ServerWatch:
             "source": capture.source,
             "name_by": capture.name_by if capture.source == "dumps" else None,
             "boot_id": boot_id,
-            "model_path": model_info.get("model_path"),
+            "model_path": described.get("model_path"),
             "model_key": model_key(self.model_info),
             "layers": self.layers,
             "layers_from": capture.how,

@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from hsx.backends.dumps import DumpRoot
 from hsx.backends.sglang import SGLangClient
+from hsx.backends.vllm import VLLMClient
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine
@@ -61,12 +62,13 @@ class Writer:
         self.root = DumpRoot(settings.dump_root)
         self.staging = settings.resolved_staging_dir()
         self.client = SGLangClient(settings.backend_url, settings.request_timeout_s)
+        self.vllm = VLLMClient(settings.backend_url, settings.request_timeout_s)
         self.status = WriterStatus()
         self.metrics = WriterMetrics()
         self.slots = max(1, settings.max_in_flight)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        server = ServerWatch(settings, self.client, self.root, self.staging)
+        server = ServerWatch(settings, self.client, self.root, self.staging, self.vllm)
         self._db = Database(sessions, self.status, server, self._stop, self.identity)
         self.lease = Lease(self.identity, settings.lease_s, self._db)
         self._report = StatusReport(self.status, self.lease, self._db, self._stats)
@@ -137,6 +139,7 @@ class Writer:
         except Exception:  # stopping must not fail because the database is gone
             log.warning("could not record the writer's stop")
         self.client.close()
+        self.vllm.close()
         self.root.release()
 
     def step(self, slot: int = 0) -> bool:

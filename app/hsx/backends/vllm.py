@@ -1,0 +1,274 @@
+"""vLLM's extract_hidden_states path: one sample is one `POST /v1/completions`, its hidden states a
+file vLLM writes and names in the answer.
+
+vLLM started with `--speculative-config '{"method": "extract_hidden_states", ...}'` and hsx's KV
+connector (deploy/vllm: vLLM's own connector, made to work on a CPU-only host too) writes, for each
+request, `<dump root>/<vLLM's request id>.safetensors` with `hidden_states` `[tokens, layers, hidden]`
+and the prompt's `token_ids`, and answers the path in `kv_transfer_params.hidden_states_path`. The
+answer can come before the file is whole: vLLM's writer holds `<path>.lock` while it writes, so the
+file is read under a shared lock on it. The connector also writes `hsx-vllm.json` into the root at
+start-up: the layers it captures, the model, and a boot id.
+
+Identity is proven, never assumed: the path must lie in the dump root and carry the request id hsx
+chose (`X-Request-Id`), and the file's token ids must be the sample's, every one. The rows are staged
+as a dump directory like any other, one tensor per layer, so the rest of the writer cannot tell where
+they came from; the file and its lock are removed once they are.
+
+Layer numbers: vLLM's layer k is the residual stream after k decoder layers, as hsx numbers layers,
+but its layer L (the model's layer count) is taken *before* the final norm, where hsx's other sources
+give it after; the job's model info says so (`final_layer: pre_norm`), and so does its manifest.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from hsx.backends.capture import Capture, CaptureProblem, describe_model
+from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, validate
+from hsx.backends.extract import Expectation
+from hsx.backends.sglang import BackendRejected, BackendUnavailable
+from hsx.dtypes import DTYPES, DTYPES_BY_CODE, HIDDEN_STATE_DTYPES
+from hsx.identity import Identity
+from hsx.layers import layer_key
+from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, encode_header, read_index
+
+VLLM_INFO_FILE = "hsx-vllm.json"
+VLLM_INFO_FORMAT = "hsx-vllm/1"
+LOCK_POLL_S = 0.005
+
+
+class VLLMClient:
+    """The part of vLLM's OpenAI-compatible server that extraction uses."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code in (502, 503, 504):
+            raise BackendUnavailable(f"{method} {path}: HTTP {resp.status_code}")
+        if resp.status_code >= 400:
+            raise BackendRejected(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:500]}")
+        return resp
+
+    def health(self) -> None:
+        self._request("GET", "/health")
+
+    def model(self) -> str:
+        """The name requests must give: the one model the server serves."""
+        data = self._request("GET", "/v1/models").json().get("data") or []
+        if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
+            raise BackendRejected(f"GET /v1/models: no model in the answer: {str(data)[:200]}")
+        return str(data[0]["id"])
+
+    def complete(self, input_ids: list[int], request_id: str, model: str) -> dict[str, Any]:
+        """The prompt and one new token; the answer names the file holding the prompt's hidden states."""
+        body = {"model": model, "prompt": input_ids, "max_tokens": 1}
+        answer = self._request("POST", "/v1/completions", json=body, headers={"X-Request-Id": request_id}).json()
+        if not isinstance(answer, dict):
+            raise BackendRejected(f"POST /v1/completions: the answer is not an object: {str(answer)[:200]}")
+        return answer
+
+
+def read_vllm_info(dump_root: Path) -> dict[str, Any] | None:
+    """hsx-vllm.json from the dump root, or None when there is none (or it is not that format)."""
+    try:
+        info = json.loads((Path(dump_root) / VLLM_INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and info.get("format") == VLLM_INFO_FORMAT else None
+
+
+def vllm_capture(info: dict[str, Any] | None, dump_root: Path) -> tuple[Capture, dict[str, Any]]:
+    """The capture hsx-vllm.json describes, and the model as a manifest records it (its layer L
+    before the final norm: `final_layer` pre_norm). CaptureProblem when there is no usable file."""
+    if info is None:
+        raise CaptureProblem(
+            f"no {VLLM_INFO_FILE} in the dump root ({dump_root}): start vLLM with hsx's connector and its "
+            "shared_storage_path set to the dump root (deploy/vllm/README.md)"
+        )
+    layers, num_layers, hidden, dtype = (info.get(k) for k in ("layers", "num_hidden_layers", "hidden_size", "dtype"))
+    if not (isinstance(layers, list) and layers and all(isinstance(i, int) and i >= 0 for i in layers)):
+        raise CaptureProblem(f"{VLLM_INFO_FILE} gives no layer list: {layers!r}")
+    if not (isinstance(num_layers, int) and isinstance(hidden, int)) or dtype not in HIDDEN_STATE_DTYPES:
+        raise CaptureProblem(f"{VLLM_INFO_FILE} does not give the model's layer count, hidden size and dtype")
+    capture = Capture(
+        source="vllm",
+        layers=sorted(set(layers)),  # vLLM writes its layers in ascending order, each once
+        hidden_size=hidden,
+        dtype=dtype,
+        boot_id=info.get("boot_id"),
+        how=f"vLLM's hidden-states files ({VLLM_INFO_FILE})",
+        identity=Identity.IDS,
+    )
+    model = {"model_path": info.get("model_path"), "num_hidden_layers": num_layers, "hidden_size": hidden}
+    return capture, {**describe_model(model, {}), "final_layer": "pre_norm"}
+
+
+class VLLMExtractor:
+    def __init__(self, client: VLLMClient, root: Path, staging: Path, capture: Capture, *, model: str, wait_s: float):
+        if capture.layers is None:
+            raise ValueError("a vLLM capture needs its layers")
+        self.client = client
+        self.root = Path(root).resolve()
+        self.staging = staging
+        self.capture = capture
+        self.layers: list[int] = capture.layers
+        self.model = model
+        self.wait_s = wait_s
+
+    def extract(self, input_ids: list[int], *, rid: str, staged_name: str, expect: Expectation) -> Dump:
+        """Run the request and return its rows, staged at `staging/staged_name` as a validated dump.
+
+        Raises DumpRejected, or BackendUnavailable / BackendRejected from the client."""
+        answer = self.client.complete(input_ids, rid, self.model)
+        path = self._named_file(answer, rid)
+        try:
+            prompt_tokens = (answer.get("usage") or {}).get("prompt_tokens")
+            if prompt_tokens != len(input_ids):
+                raise DumpRejected(
+                    "server_token_count", f"server reports {prompt_tokens} prompt tokens, sample has {len(input_ids)}"
+                )
+            with shared_lock(path, self.wait_s):
+                return self._stage(path, input_ids, rid, self.staging / staged_name, expect)
+        finally:
+            for done_with in (path, lock_path(path)):
+                done_with.unlink(missing_ok=True)
+
+    def _named_file(self, answer: dict[str, Any], rid: str) -> Path:
+        """The file the answer names, which must be this request's, in the dump root."""
+        params = answer.get("kv_transfer_params")
+        named = params.get("hidden_states_path") if isinstance(params, dict) else None
+        if not isinstance(named, str):
+            raise DumpRejected(
+                "no_dump",
+                "the answer names no hidden-states file (kv_transfer_params.hidden_states_path): is vLLM started "
+                "with --speculative-config method extract_hidden_states and hsx's connector (deploy/vllm)?",
+            )
+        path = Path(named)
+        if path.parent.resolve() != self.root:
+            raise DumpRejected("outside_root", f"the answer names {named}, which is not in the dump root {self.root}")
+        # vLLM names a request's file cmpl-<X-Request-Id>-<prompt index>[-<random suffix>].safetensors
+        if not (path.name.startswith(f"cmpl-{rid}-") and path.suffix == ".safetensors"):
+            raise DumpRejected("not_ours", f"the answer names {path.name}, not a file of request {rid}")
+        return path
+
+    def _stage(self, path: Path, input_ids: list[int], rid: str, dest: Path, expect: Expectation) -> Dump:
+        rows, dtype = read_rows(path, input_ids, self.layers)
+        meta = {
+            "num_tokens": len(input_ids),
+            "layers": self.layers,
+            "hidden_size": int(rows.shape[2]),
+            "dtype": dtype,
+            "rid": rid,
+            "cached_tokens": 0,  # vLLM keeps the rows of cached prefixes: the file has every row
+            "input_ids_sha256": ids_sha256(input_ids),
+        }
+        try:
+            write_staged(dest, meta, rows)
+            dump = validate(
+                dest, meta, expect_layers=expect.layers, expect_hidden=expect.hidden_size, expect_dtype=expect.dtype
+            )
+            dump.identity = Identity.IDS
+            return dump
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+
+
+def lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+@contextmanager
+def shared_lock(path: Path, wait_s: float) -> Iterator[None]:
+    """A shared flock on `<path>.lock`, which vLLM's writer holds exclusively until the file is whole;
+    waits up to `wait_s` for the lock file to appear and for the writer to let go."""
+    fd = _acquire(lock_path(path), time.monotonic() + wait_s, wait_s)
+    try:
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _acquire(lock: Path, deadline: float, wait_s: float) -> int:
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                os.close(fd)
+        if time.monotonic() >= deadline:
+            raise DumpRejected("dump_timeout", f"{lock.name} was not there and free within {wait_s:g} s")
+        time.sleep(LOCK_POLL_S)
+
+
+def read_rows(path: Path, input_ids: list[int], layers: list[int]) -> tuple[np.ndarray, str]:
+    """The file's `hidden_states` `[tokens, layers, hidden]` as an array of its dtype's bits, and the
+    dtype's name; DumpRejected unless its `token_ids` are exactly `input_ids` and its shape fits."""
+    try:
+        spans = read_index(path)
+    except FileNotFoundError:
+        raise DumpRejected("no_dump", f"{path.name} is not there") from None
+    except SafetensorsFormatError as exc:
+        raise DumpRejected("bad_dump", str(exc)) from None
+    hidden, ids = spans.get("hidden_states"), spans.get("token_ids")
+    if hidden is None or ids is None:
+        raise DumpRejected("bad_dump", f"{path.name} lacks hidden_states or token_ids")
+    got = _array(ids)
+    if ids.dtype != "I64" or got.tolist() != list(input_ids):
+        raise DumpRejected("not_ours", f"{path.name}'s token ids are not the sample's")
+    dtype = DTYPES_BY_CODE[hidden.dtype].name
+    if len(hidden.shape) != 3 or hidden.shape[0] != len(input_ids) or hidden.shape[1] != len(layers):
+        raise DumpRejected(
+            "wrong_shape",
+            f"hidden_states has shape {list(hidden.shape)}, expected [{len(input_ids)}, {len(layers)}, hidden]",
+        )
+    if dtype not in HIDDEN_STATE_DTYPES:
+        raise DumpRejected("wrong_dtype", f"hidden_states is {dtype}")
+    return _array(hidden), dtype
+
+
+def _array(span: TensorSpan) -> np.ndarray:
+    data = np.frombuffer(span.read(), dtype=DTYPES_BY_CODE[span.dtype].numpy)
+    return data.reshape(span.shape)
+
+
+def write_staged(dest: Path, meta: dict[str, Any], rows: np.ndarray) -> None:
+    """A dump directory with one `[tokens, hidden]` tensor per layer (vLLM interleaves the layers
+    row by row), `done` last; an earlier attempt's leftovers are replaced."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    n, _, hidden = rows.shape
+    code = DTYPES[meta["dtype"]].code
+    header = encode_header([(layer_key(i), code, (n, hidden)) for i in meta["layers"]], {})
+    fd = os.open(dest / "hidden_states.safetensors", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(header)
+        for j in range(rows.shape[1]):
+            f.write(np.ascontiguousarray(rows[:, j, :]).data)
+    (dest / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    (dest / "done").touch()
