@@ -9,6 +9,7 @@ import time
 from hsx.layers import layers_arg
 
 NAME = "export"
+EXTRA = "training"
 HELP = "export a job for SpecForge, vLLM speculators or NVIDIA Model Optimizer training"
 DESCRIPTION = """\
 Write a finished job's hidden states as one file per sample in a training framework's offline layout:

@@ -14,6 +14,7 @@ from hsx.dtypes import HIDDEN_STATE_DTYPES
 from hsx.layers import eagle3_capture_layers, layers_arg
 
 NAME = "reference-server"
+EXTRA = "reference"
 HELP = "run the SGLang-compatible reference model server that writes hidden-state dumps"
 DESCRIPTION = """\
 Serve a causal LM (a local transformers checkpoint, or an embedded tiny Llama; on the CPU or on
