@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from hsx.api import dashboard, jobs, openapi, problems, query, routing, security, system
 from hsx.api.bodies import LargeBodies
+from hsx.api.responses import NewlineJSONResponse
 from hsx.config import Settings, parse_tokens
 from hsx.db.engine import make_engine, session_factory
 from hsx.extraction import Writer
@@ -41,6 +42,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
         lifespan=lifespan,
         redirect_slashes=False,  # hsx.api.routing redirects, with a relative Location
         generate_unique_id_function=openapi.operation_id,
+        default_response_class=NewlineJSONResponse,
     )
     # What the routes depend on (hsx.api.deps reads it).
     app.state.settings = settings
