@@ -92,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
     settings = prepare(args, "hsx serve")
     if isinstance(settings, int):
         return settings
+    if not made_input_root(settings, "hsx serve"):
+        return 2
     writer = None
     if settings.run_writer:
         writer = acquired_writer(settings, "hsx serve")
@@ -127,6 +129,17 @@ def prepare(args: argparse.Namespace, prog: str) -> Settings | int:
     finally:
         engine.dispose()
     return settings
+
+
+def made_input_root(settings: Settings, prog: str) -> bool:
+    """Create the input root when it is missing, so that there is a folder to put the first job's
+    files in; False (said on stderr) when it cannot be."""
+    try:
+        settings.input_root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"{prog}: cannot create the input root {settings.input_root}: {exc.strerror or exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def acquired_writer(settings: Settings, prog: str) -> Writer | None:
