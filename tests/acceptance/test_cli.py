@@ -229,6 +229,8 @@ def test_submit_status_jobs_samples_manifest(run, finished, tmp_path):
         and out.splitlines()[0].split() == ["ID", "STATE", "STORED", "FAILED", "TOKENS", "CREATED", "NAME"]
         and len(out.splitlines()) == 2
     )
+    code, out, _ = run("jobs", "--state", "failed")
+    assert (code, out) == (0, "no failed jobs\n")
 
     code, out, _ = run("samples", job.id, "--json")
     assert code == 0 and [s["id"] for s in json.loads(out)] == [s["id"] for s in samples]
