@@ -83,7 +83,7 @@ def test_serve_flags_and_help_come_from_settings(capsys, monkeypatch):
     assert help_of["--backend-url"].endswith("(env HSX_BACKEND_URL; default http://127.0.0.1:30000)")
     assert help_of["--staging-dir"].endswith("(env HSX_STAGING_DIR; default unset)")
     assert help_of["--no-writer"].endswith("(env HSX_RUN_WRITER=false)")
-    assert set(help_of) == {"-h", "--log-level", "--no-writer"} | {
+    assert set(help_of) == {"-h", "--log-level", "--log-format", "--access-log", "--no-writer"} | {
         f"--{name.replace('_', '-')}" for name in Settings.model_fields if name != "run_writer"
     }
 

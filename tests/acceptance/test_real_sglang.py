@@ -150,14 +150,17 @@ def test_plugin_mode_stores_every_sample_exactly(tmp_path, sglang_python, model)
         ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3", "--disable-radix-cache"],
         {"SGLANG_PLUGINS": "hsx_dump", "HSX_DUMP_ROOT": str(dumps)},
     )
-    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=dumps)
+    # --log-level debug: the log then holds a line for each request hsx sends to the model server.
+    svc = start_service(
+        tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=url, dump_root=dumps, extra=["--log-level", "debug"]
+    )
     try:
         job, worst = run_and_check(svc, m, [*AUX, NUM_LAYERS], n=30, seed=1)
         assert worst <= 1e-5, worst
         assert svc.get("/healthz").json()["writer"]["server"]["identity"] == "ids"
         samples = svc.get(f"/v1/jobs/{job['id']}/samples?limit=100").json()["data"]
         assert [s["attempts"] for s in samples] == [1] * 30, "no attempt was spent on a refusal"
-        asked = svc.proc.log()  # hsx logs each request it sends to the model server
+        asked = svc.proc.log()
         assert "/model_info " in asked and "/server_info " in asked, "SGLang 0.5.23's current names"
         assert "/get_model_info" not in asked and "/get_server_info" not in asked, "not the deprecated ones"
     finally:
