@@ -75,7 +75,8 @@ class Settings(BaseSettings):
         "must use the same folder (its .hsx-output-root.json mark is checked at start)",
     )
     input_root: Path = Field(
-        Path("hsx-data/input"), description="jobs may name JSONL input files under this folder only"
+        Path("hsx-data/input"),
+        description="jobs may name JSONL input files under this folder only (created at start when missing)",
     )
     database_url: str = Field(
         "sqlite:///hsx-data/hsx.db", description="SQLAlchemy URL: sqlite:///path.db or postgresql://user@host/db"

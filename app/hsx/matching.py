@@ -68,7 +68,7 @@ class Waiting:
         if any(w.state == "ready" for w in fitting):
             return None
         if fitting:
-            return "; ".join(f"{w.identity}: {w.state}: {w.reason}" for w in fitting)
+            return "; ".join(_not_ready(w) for w in fitting)
         needs = []
         if job.layers_key is not None:
             needs.append(f"layers [{job.layers_key.replace(',', ', ')}]")
@@ -77,6 +77,13 @@ class Waiting:
             needs.append(f"the model its first sample came from ({path})")
         offers = "; ".join(f"{w.identity} gives {_offer(w)}" for w in self.writers)
         return f"no live worker serves this job: it needs {' and '.join(needs)}; {offers}"
+
+
+def _not_ready(w: WriterRow) -> str:
+    """`identity: state: reason`, without a state of "waiting": the job's reason is shown as why it
+    waits ("Waiting: host:/dumps: model server not ready: ..."), which would say it twice."""
+    said = [w.state] if w.state != "waiting" or not w.reason else []
+    return ": ".join([w.identity, *said, *([w.reason] if w.reason else [])])
 
 
 def _serves(w: WriterRow) -> Serves:

@@ -83,7 +83,7 @@ def test_serve_flags_and_help_come_from_settings(capsys, monkeypatch):
     assert help_of["--backend-url"].endswith("(env HSX_BACKEND_URL; default http://127.0.0.1:30000)")
     assert help_of["--staging-dir"].endswith("(env HSX_STAGING_DIR; default unset)")
     assert help_of["--no-writer"].endswith("(env HSX_RUN_WRITER=false)")
-    assert set(help_of) == {"-h", "--log-level", "--no-writer"} | {
+    assert set(help_of) == {"-h", "--log-level", "--log-format", "--access-log", "--no-writer"} | {
         f"--{name.replace('_', '-')}" for name in Settings.model_fields if name != "run_writer"
     }
 
@@ -229,6 +229,8 @@ def test_submit_status_jobs_samples_manifest(run, finished, tmp_path):
         and out.splitlines()[0].split() == ["ID", "STATE", "STORED", "FAILED", "TOKENS", "CREATED", "NAME"]
         and len(out.splitlines()) == 2
     )
+    code, out, _ = run("jobs", "--state", "failed")
+    assert (code, out) == (0, "no failed jobs\n")
 
     code, out, _ = run("samples", job.id, "--json")
     assert code == 0 and [s["id"] for s in json.loads(out)] == [s["id"] for s in samples]

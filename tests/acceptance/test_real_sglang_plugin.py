@@ -52,8 +52,13 @@ def dump_root(server: SGLang) -> Path:
 
 
 def test_plugin_mode_stores_every_sample_exactly(tmp_path, server, model):
+    # --log-level debug: the log then holds a line for each request hsx sends to the model server.
     svc = start_service(
-        tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=server.url, dump_root=dump_root(server)
+        tmp_path,
+        f"sqlite:///{tmp_path / 'hsx.db'}",
+        backend_url=server.url,
+        dump_root=dump_root(server),
+        extra=["--log-level", "debug"],
     )
     try:
         job, worst = run_and_check(svc, model[1], [*AUX, NUM_LAYERS], n=30, seed=1)
@@ -62,7 +67,7 @@ def test_plugin_mode_stores_every_sample_exactly(tmp_path, server, model):
         assert svc.get("/healthz").json()["writer"]["server"]["identity"] == "ids"
         samples = svc.get(f"/v1/jobs/{job['id']}/samples?limit=100").json()["data"]
         assert [s["attempts"] for s in samples] == [1] * 30, "no attempt was spent on a refusal"
-        asked = svc.proc.log()  # hsx logs each request it sends to the model server
+        asked = svc.proc.log()
         assert "/model_info " in asked and "/server_info " in asked, "SGLang 0.5.23's current names"
         assert "/get_model_info" not in asked and "/get_server_info" not in asked, "not the deprecated ones"
     finally:

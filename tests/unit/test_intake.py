@@ -10,7 +10,7 @@ import pytest
 
 from hsx.db.repository import NewSample
 from hsx.service.errors import InvalidInput
-from hsx.service.intake import Ingest, Limits, parse_sample
+from hsx.service.intake import Ingest, Limits, parse_sample, resolve_input_path
 from hsx.service.spool import MEMORY_BYTES, SampleSpool
 
 VOCAB = 1000
@@ -71,3 +71,15 @@ def test_the_spool_gives_back_what_went_in_from_memory_or_disk():
         assert [r.sample_id for batch in spool.batches(1000) for r in batch][-2:] == ["id-399-ünï/xxxx", "late"]
     finally:
         spool.close()
+
+
+def test_a_missing_input_file_is_named_with_the_input_root(tmp_path):
+    root = tmp_path / "input"
+    root.mkdir()
+    (root / "there.jsonl").write_text("")
+    assert resolve_input_path(root, "there.jsonl") == root / "there.jsonl"
+    for relative in ("x.jsonl", "sub/x.jsonl"):
+        with pytest.raises(InvalidInput) as caught:
+            resolve_input_path(tmp_path / "input" / ".", relative)
+        [error] = caught.value.extra["errors"]
+        assert error == {"field": "input_path", "message": f"no file {relative!r} under the input root {root}"}

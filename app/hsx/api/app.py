@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from hsx.api import dashboard, docs_page, jobs, openapi, problems, query, routing, security, system
 from hsx.api.bodies import LargeBodies
+from hsx.api.responses import NewlineJSONResponse
 from hsx.config import Settings, parse_tokens
 from hsx.db.engine import make_engine, session_factory
 from hsx.extraction import Writer
@@ -44,6 +45,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
         generate_unique_id_function=openapi.operation_id,
         docs_url=None,  # hsx.api.docs_page: a pinned Swagger UI under a content security policy
         redoc_url=None,
+        default_response_class=NewlineJSONResponse,
     )
     # What the routes depend on (hsx.api.deps reads it).
     app.state.settings = settings

@@ -15,6 +15,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from hsx.api.responses import NewlineJSONResponse
 from hsx.service.errors import InvalidInput, ServiceError
 from hsx.storage.output_root import OutputRootMismatch
 
@@ -27,7 +28,7 @@ def problem_response(
     status: int, title: str, detail: str, type_: str, headers: Mapping[str, str] | None = None, **extra: Any
 ) -> JSONResponse:
     body = {"type": type_, "title": title, "status": status, "detail": detail, **extra}
-    return JSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+    return NewlineJSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
 
 
 def http_problem(exc: StarletteHTTPException) -> JSONResponse:

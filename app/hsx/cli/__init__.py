@@ -2,14 +2,16 @@
 
 Each module provides NAME, HELP, DESCRIPTION, add_arguments(parser) and main(args) -> int, and
 imports anything heavy (torch, transformers) inside main so that `--help` stays fast and works
-where neither is installed. The client commands, which talk to a running service through the
-SDK, live in hsx.cli.client.
+where neither is installed; one that needs an optional extra names it as EXTRA (hsx.cli.extras).
+The client commands, which talk to a running service through the SDK, live in hsx.cli.client.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+
+from hsx.cli.extras import run
 
 COMMANDS = [
     "hsx.cli.serve",
@@ -46,10 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(cmd)
-        cmd.set_defaults(handler=module.main)
+        cmd.set_defaults(handler=module.main, extra=getattr(module, "EXTRA", None))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.handler(args) or 0)
+    return run(args.handler, args, f"hsx {args.command}", args.extra)

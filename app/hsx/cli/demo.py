@@ -20,10 +20,12 @@ from pathlib import Path
 import httpx
 
 from hsx.cli.client.common import Progress
+from hsx.cli.extras import require
 from hsx.sdk import HsxClient
 from hsx.states import JobState
 
 NAME = "demo"
+EXTRA = "reference"  # for the reference server it starts
 HELP = "run a small job end to end on this machine (reference server + service)"
 DESCRIPTION = (
     "Run a small extraction job end to end on this machine: reference model server (embedded tiny "
@@ -80,6 +82,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    require(EXTRA)
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     ref_port, svc_port = _free_port(), _free_port()

@@ -10,6 +10,7 @@ from typing import Any
 from hsx.layers import layers_arg
 
 NAME = "export"
+EXTRA = "training"
 HELP = "export a job for SpecForge, vLLM speculators or NVIDIA Model Optimizer training"
 DESCRIPTION = """\
 Write a finished job's hidden states as one file per sample in a training framework's offline layout:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from hsx.reference.synthetic import SyntheticRunner
 
 NAME = "reference-server"
+EXTRA = "reference"
 HELP = "run the SGLang-compatible reference model server that writes hidden-state dumps"
 DESCRIPTION = """\
 Serve a causal LM (a local transformers checkpoint, or an embedded tiny Llama; on the CPU or on

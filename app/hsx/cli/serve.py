@@ -6,13 +6,13 @@ The flags are generated from Settings: one per field, named after it, its descri
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from hsx.cli import logs
 from hsx.config import Settings
 
 if TYPE_CHECKING:  # imported by main() only: --help stays fast
@@ -43,7 +43,9 @@ def _shown(default: Any) -> str:
     return "unset" if default in (None, "") else str(default)
 
 
-def add_arguments(parser: argparse.ArgumentParser, exclude: frozenset[str] | set[str] = frozenset()) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, exclude: frozenset[str] | set[str] = frozenset(), *, access_log: bool = True
+) -> None:
     for name, field in Settings.model_fields.items():
         if name in exclude:
             continue
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser, exclude: frozenset[str] | set
             default=None,
             help=f"{text} (env {_env_var(name)}; default {_shown(field.default)})",
         )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    logs.add_arguments(parser, access_log=access_log)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -92,13 +94,23 @@ def main(args: argparse.Namespace) -> int:
     settings = prepare(args, "hsx serve")
     if isinstance(settings, int):
         return settings
+    if not made_input_root(settings, "hsx serve"):
+        return 2
     writer = None
     if settings.run_writer:
         writer = acquired_writer(settings, "hsx serve")
         if writer is None:
             return 2
     app = create_app(settings, writer)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    # log_config=None: uvicorn's records go through the handler hsx.cli.logs set up, in its format.
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        log_config=None,
+    )
     return 0
 
 
@@ -109,7 +121,7 @@ def prepare(args: argparse.Namespace, prog: str) -> Settings | int:
     from hsx.extraction.output_root import shared_output_root
     from hsx.storage.output_root import OutputRootMismatch
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
@@ -127,6 +139,17 @@ def prepare(args: argparse.Namespace, prog: str) -> Settings | int:
     finally:
         engine.dispose()
     return settings
+
+
+def made_input_root(settings: Settings, prog: str) -> bool:
+    """Create the input root when it is missing, so that there is a folder to put the first job's
+    files in; False (said on stderr) when it cannot be."""
+    try:
+        settings.input_root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"{prog}: cannot create the input root {settings.input_root}: {exc.strerror or exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def acquired_writer(settings: Settings, prog: str) -> Writer | None:

@@ -37,7 +37,7 @@ API_SETTINGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    serve.add_arguments(parser, exclude=API_SETTINGS)
+    serve.add_arguments(parser, exclude=API_SETTINGS, access_log=False)  # no HTTP API, no access log
 
 
 def main(args: argparse.Namespace) -> int:

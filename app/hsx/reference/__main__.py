@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from hsx.cli import reference_server
+from hsx.cli.extras import run
 
 
 def _main() -> int:
@@ -15,7 +16,7 @@ def _main() -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     reference_server.add_arguments(parser)
-    return reference_server.main(parser.parse_args())
+    return run(reference_server.main, parser.parse_args(), "python -m hsx.reference", reference_server.EXTRA)
 
 
 if __name__ == "__main__":

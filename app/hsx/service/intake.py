@@ -289,7 +289,8 @@ def resolve_input_path(input_root: Path, relative: str) -> Path:
     except OSError as exc:
         raise _unreadable(relative, _why(exc)) from None
     if not found:
-        raise InvalidInput([{"field": "input_path", "message": f"no file {shown(relative)} under the input root"}])
+        message = f"no file {shown(relative)} under the input root {root}"
+        raise InvalidInput([{"field": "input_path", "message": message}])
     return path
 
 

@@ -38,6 +38,9 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             print_json(jobs)
             return 0
+        if not jobs:
+            print(f"no {args.state} jobs" if args.state else "no jobs")
+            return 0
         rows = [
             [
                 j.id,

@@ -1,0 +1,36 @@
+"""Why a job waits, as the API's waiting_reason and the dashboard's "Waiting: ..." show it: each
+fitting writer that is not ready, said once."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hsx.matching import NO_WRITER, Waiting
+
+JOB = SimpleNamespace(layers_key=None, model_key=None, model_info=None)
+
+
+def writer(identity: str, state: str, reason: str | None) -> SimpleNamespace:
+    return SimpleNamespace(identity=identity, state=state, reason=reason, server=None)
+
+
+def test_a_waiting_writer_is_not_said_to_be_waiting_twice():
+    reason = Waiting([writer("host:/dumps", "waiting", "model server not ready: GET /health: ConnectError")]).reason(
+        JOB
+    )
+    assert reason == "host:/dumps: model server not ready: GET /health: ConnectError"
+    assert f"Waiting: {reason}".lower().count("waiting") == 1
+
+
+def test_other_states_are_said_with_their_reason():
+    writers = [
+        writer("a:/d", "refusing", "the server returns only the last row"),
+        writer("b:/d", "starting", None),
+        writer("c:/d", "waiting", None),
+    ]
+    assert (
+        Waiting(writers).reason(JOB)
+        == "a:/d: refusing: the server returns only the last row; b:/d: starting; c:/d: waiting"
+    )
+    assert Waiting([writer("a:/d", "ready", None), *writers]).reason(JOB) is None
+    assert Waiting([]).reason(JOB) == NO_WRITER
