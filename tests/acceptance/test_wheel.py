@@ -59,7 +59,7 @@ def wheel(tmp_path_factory) -> Path:
             shutil.copy2(REPO / name, src / name)
     built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp / "dist"), str(src)], tmp)
     assert built.returncode == 0, output(built)
-    (path,) = (tmp / "dist").glob("hsx-*.whl")
+    (path,) = (tmp / "dist").glob("hsx_server-*.whl")
     return path
 
 

@@ -13,8 +13,8 @@ import pytest
 from hsx.cli.extras import EXTRAS, run
 from tests.support.procs import hsx_command
 
-TRAINING = 'needs PyTorch: pip install "hsx[training]"'
-REFERENCE = 'needs PyTorch: pip install "hsx[reference]"'
+TRAINING = 'needs PyTorch: pip install "hsx-server[training]"'
+REFERENCE = 'needs PyTorch: pip install "hsx-server[reference]"'
 
 
 def without(folder: Path, *packages: str) -> dict[str, str]:
@@ -78,7 +78,7 @@ def test_hsx_demo_without_transformers_names_it(tmp_path):
         text=True,
         timeout=180,
     )
-    assert one_line(proc) == 'hsx demo needs Hugging Face transformers: pip install "hsx[reference]"'
+    assert one_line(proc) == 'hsx demo needs Hugging Face transformers: pip install "hsx-server[reference]"'
     assert not (tmp_path / "demo").exists(), "nothing was started"
 
 

@@ -18,6 +18,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "reference": ("torch", "transformers"),
     "training": ("torch",),
 }
+# The name pip installs hsx by (the package and the command are hsx).
+DISTRIBUTION = "hsx-server"
 # How the message names them: PyTorch is what people search for, not "torch".
 SHOWN = {"torch": "PyTorch", "transformers": "Hugging Face transformers"}
 
@@ -28,7 +30,7 @@ def missing_extra_line(exc: ModuleNotFoundError, prog: str, extra: str | None) -
     package = (exc.name or "").partition(".")[0]
     if extra is None or package not in EXTRAS[extra]:
         return None
-    return f'{prog} needs {SHOWN.get(package, package)}: pip install "hsx[{extra}]"'
+    return f'{prog} needs {SHOWN.get(package, package)}: pip install "{DISTRIBUTION}[{extra}]"'
 
 
 def require(extra: str) -> None:
