@@ -1,0 +1,74 @@
+"""vLLM's hidden-states connector, made to run where the KV cache is not on a CUDA device.
+
+vLLM's `ExampleHiddenStatesConnector` (the connector of the `extract_hidden_states` speculative
+method) copies each finished request's rows out of the cache with a CUDA stream, a CUDA event and
+pinned host memory, all unconditionally: on a CPU-only host the first finished request kills the
+engine (`pin_memory=True requires a CUDA or other accelerator backend`). `HiddenStatesConnector`
+changes only that copy. Everything else stays vLLM's: the file name `{shared_storage_path}/{req_id}
+.safetensors`, the `.lock` file held exclusively from scheduling until the write ends, the
+background write pool, and the path returned in `kv_transfer_params["hidden_states_path"]`.
+
+vLLM is the server's own dependency, not this distribution's: this module is imported only by the
+server, through `kv_connector_module_path`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from functools import partial
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
+
+
+class _Done:
+    """Stands in for the CUDA event vLLM keeps per request, for a copy that has already happened.
+
+    vLLM asks it `query()` (in `get_finished`: may the request's blocks be freed?) and the write
+    thread calls `synchronize()` before writing; a synchronous copy is complete before either.
+    """
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class HiddenStatesConnector(ExampleHiddenStatesConnector):
+    """`ExampleHiddenStatesConnector` whose copy out of the cache also works off CUDA."""
+
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        # On CUDA, vLLM's own asynchronous copy (side stream, pinned memory) is the fast path: keep it.
+        if not self._is_tp_rank_zero or self._kv_cache is None or self._kv_cache.is_cuda:
+            super()._submit_async_write(pending)
+            return
+        # Anywhere else the copy is made here, synchronously: the forward pass that filled the
+        # cache has ended (CPU execution is synchronous), and once `get_finished` reports the
+        # request the blocks go back to the pool, so the rows must be in a tensor of our own
+        # first. The gather below is that copy (advanced indexing allocates a new tensor).
+        num_tokens = pending.token_ids.shape[0]
+        slot_mapping = (
+            torch.tensor(pending.block_ids, dtype=torch.long).reshape(-1, 1) * self._block_size
+            + torch.arange(self._block_size, dtype=torch.long)
+        ).flatten()[:num_tokens]
+        rows = extract_from_kv_cache(self._kv_cache, slot_mapping, num_tokens)
+        tensors = {"hidden_states": rows.to("cpu"), "token_ids": pending.token_ids.clone()}
+
+        # From here on, what vLLM does after its copy: the same lock handshake and background write.
+        assert pending.req_id not in self._req_futures, "Found another KV transfer request with same req_id!"
+        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        done = _Done()
+        future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
+        self._req_copy_events[pending.req_id] = done
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(partial(self._on_write_done, pending.req_id))
