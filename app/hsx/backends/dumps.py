@@ -103,6 +103,10 @@ class DumpRoot:
         except FileNotFoundError:
             return []
 
+    def files(self, pattern: str) -> list[Path]:
+        """Plain files of the root matching `pattern` (vLLM's hidden-states files and their locks)."""
+        return [p for p in self.path.glob(pattern) if p.is_file() and not p.is_symlink()]
+
     def clear(self) -> None:
         for p in self.path.glob("req_*"):
             if p.is_symlink():

@@ -218,15 +218,22 @@ class RequestLoop:
         return queued
 
     def _sweep(self, extractor: SampleExtractor) -> None:
-        if extractor.capture.source != "dumps" or extractor.capture.name_by != "rid":
-            return
-        if time.monotonic() - self._swept_at < SWEEP_EVERY_S:
+        """Remove what requests that were never read left in the root (their answer lost to a
+        restart or a timeout): rid-named dumps, and vLLM's files with their locks."""
+        capture = extractor.capture
+        named = capture.source == "vllm" or (capture.source == "dumps" and capture.name_by == "rid")
+        if not named or time.monotonic() - self._swept_at < SWEEP_EVERY_S:
             return
         self._swept_at = time.monotonic()
         cutoff = time.time() - SWEEP_AGE_S
-        for d in self.root.entries():
+        leftovers = self.root.files("cmpl-*") if capture.source == "vllm" else self.root.entries()
+        for d in leftovers:
             try:
-                if d.stat().st_mtime < cutoff:
+                if d.stat().st_mtime >= cutoff:
+                    continue
+                if d.is_dir():
                     shutil.rmtree(d, ignore_errors=True)
+                else:
+                    d.unlink(missing_ok=True)
             except FileNotFoundError:
                 pass

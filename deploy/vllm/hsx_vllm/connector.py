@@ -8,6 +8,11 @@ changes only that copy. Everything else stays vLLM's: the file name `{shared_sto
 .safetensors`, the `.lock` file held exclusively from scheduling until the write ends, the
 background write pool, and the path returned in `kv_transfer_params["hidden_states_path"]`.
 
+It also writes `hsx-vllm.json` into the storage folder when the server starts (from its scheduler's
+connector, once per launch): the layers it captures, the model's layer count, width and dtype, and a
+boot id new with each launch. hsx reads its capture from there (the server's API does not say), and
+a new boot id tells it the server restarted.
+
 vLLM is the server's own dependency, not this distribution's: this module is imported only by the
 server, through `kv_connector_module_path`.
 """
@@ -15,10 +20,14 @@ server, through `kv_connector_module_path`.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import uuid
 from functools import partial
+from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
@@ -40,8 +49,17 @@ class _Done:
         return None
 
 
+INFO_FILE = "hsx-vllm.json"
+INFO_FORMAT = "hsx-vllm/1"
+
+
 class HiddenStatesConnector(ExampleHiddenStatesConnector):
     """`ExampleHiddenStatesConnector` whose copy out of the cache also works off CUDA."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            write_info(self._storage_path, describe(vllm_config))
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         # On CUDA, vLLM's own asynchronous copy (side stream, pinned memory) is the fast path: keep it.
@@ -72,3 +90,29 @@ class HiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
+
+
+def describe(vllm_config: Any) -> dict[str, Any]:
+    """What hsx needs to know of this server's capture, from the server's own configuration."""
+    model = vllm_config.model_config
+    spec = vllm_config.speculative_config.draft_model_config.hf_config
+    return {
+        "format": INFO_FORMAT,
+        # vLLM writes the layers in ascending order, each once, whatever order the flag gives.
+        "layers": sorted(set(getattr(spec, "eagle_aux_hidden_state_layer_ids", []))),
+        "num_hidden_layers": int(model.hf_text_config.num_hidden_layers),
+        "hidden_size": int(model.get_hidden_size()),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "model_path": str(model.model),
+        "boot_id": uuid.uuid4().hex,
+    }
+
+
+def write_info(folder: str, info: dict[str, Any]) -> None:
+    """Written whole or not at all: a reader never sees half a file."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, INFO_FILE)
+    temp = f"{path}.{os.getpid()}.tmp"
+    with open(temp, "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=1)
+    os.replace(temp, path)

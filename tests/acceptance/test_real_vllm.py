@@ -1,0 +1,139 @@
+"""Jobs against a real vLLM 0.32.0 (its CPU build) with hsx's connector, `hsx serve --source vllm`:
+every stored tensor proven by the file's token ids and equal to a transformers recomputation, several
+requests in flight, prompts sharing a prefix with vLLM's prefix cache on, the server SIGKILLed and
+restarted mid-job, and a dump root the server does not write to (refused before any attempt)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hsx.manifest import load_manifest, read_sample
+from tests.support.real_vllm import NUM_LAYERS, VLLM, VOCAB, make_model, truth, vllm_python
+from tests.support.stack import Service, start_service
+
+pytestmark = pytest.mark.slow  # one real vLLM for the module: 30-95 s to start
+
+LAYERS = [2, NUM_LAYERS // 2, NUM_LAYERS - 3, NUM_LAYERS]  # EAGLE-3's three and the last, pre-norm
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("model")
+    return path, make_model(path)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model: tuple[Path, torch.nn.Module]) -> Iterator[VLLM]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    s = VLLM(vllm_python(), tmp, model[0], LAYERS, tmp / "dumps").start()
+    yield s
+    s.stop()
+
+
+def service(tmp_path: Path, server: VLLM, *extra: str) -> Service:
+    return start_service(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'hsx.db'}",
+        backend_url=server.url,
+        dump_root=server.storage,
+        extra=["--source", "vllm", *extra],
+    )
+
+
+def items(n: int, seed: int, prefix: list[int] | None = None) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    head = prefix or []
+    return [
+        {"id": f"s{i}", "input_ids": head + [rng.randrange(VOCAB) for _ in range(rng.randint(5, 80))]} for i in range(n)
+    ]
+
+
+def check(svc: Service, m: torch.nn.Module, job: dict[str, Any], samples: list[dict[str, Any]]) -> float:
+    """Every stored tensor against the recomputation of its own ids; the largest difference."""
+    assert job["state"] == "succeeded", job
+    folder = svc.output_root / job["id"]
+    manifest = load_manifest(folder)
+    assert manifest.layers == LAYERS and manifest.dtype == "float32"
+    assert manifest.final_layer == "pre_norm" and manifest.post_norm_layers == []
+    assert manifest.identity == "ids"
+    worst = 0.0
+    for s in samples:
+        got = read_sample(folder, manifest, s["id"])
+        assert got["input_ids"].tolist() == s["input_ids"]
+        for k, want in truth(m, s["input_ids"], LAYERS).items():
+            worst = max(worst, (got[f"layer_{k}"] - want).abs().max().item())
+    return worst
+
+
+def test_a_job_stores_every_sample_proven_by_its_ids(tmp_path, server, model):
+    svc = service(tmp_path, server, "--max-in-flight", "4")
+    try:
+        samples = items(30, seed=1)
+        job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"], timeout=600)
+        assert check(svc, model[1], job, samples) <= 1e-4
+        writer = svc.get("/healthz").json()["writer"]
+        assert writer["server"]["source"] == "vllm" and writer["server"]["identity"] == "ids"
+        pages = svc.get(f"/v1/jobs/{job['id']}/samples?limit=100").json()["data"]
+        assert all(s["attempts"] == 1 for s in pages)
+        assert not list(server.storage.glob("cmpl-*")), "each file and its lock removed once staged"
+    finally:
+        svc.stop()
+
+
+def test_prompts_sharing_a_prefix_with_the_prefix_cache_on(tmp_path, server, model):
+    """vLLM keeps the hidden-state rows with its cached KV blocks: every row is in every file."""
+    svc = service(tmp_path, server)
+    try:
+        shared = [random.Random(9).randrange(VOCAB) for _ in range(300)]  # more than two cache blocks
+        samples = items(8, seed=2, prefix=shared)
+        job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"], timeout=600)
+        assert check(svc, model[1], job, samples) <= 1e-4
+    finally:
+        svc.stop()
+
+
+def test_a_dump_root_the_server_does_not_write_to_is_refused_before_any_attempt(tmp_path, server):
+    svc = start_service(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'hsx.db'}",
+        backend_url=server.url,
+        dump_root=tmp_path / "elsewhere",
+        extra=["--source", "vllm"],
+    )
+    try:
+        job = svc.post_job({"samples": items(2, seed=3)}).json()
+        deadline = time.monotonic() + 60
+        while not job["waiting_reason"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            job = svc.get(f"/v1/jobs/{job['id']}").json()
+        assert "hsx-vllm.json" in (job["waiting_reason"] or ""), job
+        assert svc.get("/healthz").json()["writer"]["state"] == "refusing"
+        assert all(s["attempts"] == 0 for s in svc.get(f"/v1/jobs/{job['id']}/samples").json()["data"])
+    finally:
+        svc.stop()
+
+
+def test_the_server_killed_and_restarted_mid_job(tmp_path, server, model):
+    """Last in the module: it kills the server. Every sample stored, each proven and exact."""
+    svc = service(tmp_path, server, "--max-in-flight", "4")
+    try:
+        samples = items(80, seed=4)
+        job_id = svc.post_job({"samples": samples}).json()["id"]
+        deadline = time.monotonic() + 300
+        while svc.get(f"/v1/jobs/{job_id}").json()["counts"]["queued"] > len(samples) // 2:
+            assert time.monotonic() < deadline, "the job made no progress"
+            time.sleep(0.1)
+        server.kill()
+        time.sleep(2)
+        server.restart()
+        job = svc.wait_job(job_id, timeout=900)
+        assert check(svc, model[1], job, samples) <= 1e-4
+    finally:
+        svc.stop()
