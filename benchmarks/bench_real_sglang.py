@@ -130,7 +130,7 @@ def mode_rows(args: argparse.Namespace, work: Path, model: Path, plugin: bool) -
 
 def print_table(title: str, rows: list[Row]) -> None:
     print(f"\n{title}\n")
-    print("| run | s/sample | tokens/s | CPU s/sample (client or service) | x sglang alone |")
+    print("| run | s/sample | tokens/s | CPU s/sample (client or service) | x the server alone |")
     print("|---|---|---|---|---|")
     alone = rows[0]["s_per_sample"]
     for r in rows:

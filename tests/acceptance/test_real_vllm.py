@@ -37,13 +37,13 @@ def server(tmp_path_factory: pytest.TempPathFactory, model: tuple[Path, torch.nn
     s.stop()
 
 
-def service(tmp_path: Path, server: VLLM, *extra: str) -> Service:
+def service(tmp_path: Path, server: VLLM, *extra: str, source: str = "vllm") -> Service:
     return start_service(
         tmp_path,
         f"sqlite:///{tmp_path / 'hsx.db'}",
         backend_url=server.url,
         dump_root=server.storage,
-        extra=["--source", "vllm", *extra],
+        extra=["--source", source, *extra],
     )
 
 
@@ -88,8 +88,9 @@ def test_a_job_stores_every_sample_proven_by_its_ids(tmp_path, server, model):
 
 
 def test_prompts_sharing_a_prefix_with_the_prefix_cache_on(tmp_path, server, model):
-    """vLLM keeps the hidden-state rows with its cached KV blocks: every row is in every file."""
-    svc = service(tmp_path, server)
+    """vLLM keeps the hidden-state rows with its cached KV blocks: every row is in every file. With
+    --source auto: hsx-vllm.json in the dump root says it is vLLM."""
+    svc = service(tmp_path, server, source="auto")
     try:
         shared = [random.Random(9).randrange(VOCAB) for _ in range(300)]  # more than two cache blocks
         samples = items(8, seed=2, prefix=shared)
