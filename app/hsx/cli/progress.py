@@ -135,6 +135,14 @@ class _LogLines:
             self.lines += 1
 
 
+def _columns(stream: TextIO) -> int:
+    """The terminal's width; 0 where it is not known (a pseudo-terminal nobody has sized)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):
+        return 0
+
+
 @contextmanager
 def progress(
     label: str,
@@ -161,7 +169,8 @@ def progress(
     )
     options: dict[str, Any] = {"desc": label, "total": total, "stall_s": stall_s, **shown}
     if on_terminal:
-        bar = _StallAwareBar(file=stream, leave=False, dynamic_ncols=True, delay=delay, **options)
+        width = {"dynamic_ncols": True} if _columns(stream) else {"ncols": 80}  # tqdm draws nothing at width 0
+        bar = _StallAwareBar(file=stream, leave=False, delay=delay, **width, **options)
         ticker = _Ticker(TTY_REFRESH_S, lambda: bar.refresh() if bar.n or bar.total else None)
     else:
         # The bar draws into nothing; it keeps the count and the rate, and the log lines are made from them.
