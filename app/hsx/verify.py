@@ -27,6 +27,7 @@ import math
 import os
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -123,12 +124,37 @@ class _Faults:
         self._add(self.report.sample_faults, Fault(kind, message, shard=shard, sample=sample))
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, work: _Work | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
             h.update(chunk)
+            if work is not None:
+                work.advance(len(chunk))
     return h.hexdigest()
+
+
+class _Work:
+    """The check's progress in bytes read: each listed shard file once for its sha256 and once for its rows,
+    reported to `report(done, total)`."""
+
+    def __init__(self, report: Callable[[int, int], None] | None) -> None:
+        self.report = report
+        self.done = self.total = 0
+
+    def plan(self, job_dir: Path, shard_docs: list[dict[str, Any]], passes: int) -> None:
+        names = {d.get("name") for d in shard_docs if isinstance(d.get("name"), str)}
+        sizes = (job_dir / str(n) for n in names)
+        self.total = passes * sum(p.stat().st_size for p in sizes if p.is_file())
+        self.moveto(0)
+
+    def advance(self, n: int) -> None:
+        self.moveto(self.done + n)
+
+    def moveto(self, done: int) -> None:
+        self.done = min(done, self.total)
+        if self.report is not None:
+            self.report(self.done, self.total)
 
 
 def _parse(model: type[_Entry], doc: dict[str, Any]) -> tuple[_Entry | None, list[str]]:
@@ -273,8 +299,10 @@ def verify_job(
     check_values: bool = True,
     chunk_rows: int = 4096,
     max_faults: int = 1000,
+    progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Check the job folder (or its manifest.json) against its manifest; see the module docstring."""
+    """Check the job folder (or its manifest.json) against its manifest; see the module docstring.
+    `progress(done, total)` follows the bytes read (each shard once per check that reads it)."""
     job_dir, manifest_path = locate(job_dir)
     report = VerifyReport(str(job_dir))
     faults = _Faults(report, max_faults)
@@ -304,6 +332,7 @@ def verify_job(
             check_hashes=check_hashes,
             check_values=check_values,
             chunk_rows=max(1, chunk_rows),
+            work=_Work(progress),
         )
         _verify_contents(check, doc["shards"], doc["samples"])
         placement = check.placement
@@ -342,6 +371,7 @@ class _Check:
     check_hashes: bool
     check_values: bool
     chunk_rows: int
+    work: _Work
     shards: dict[str, ManifestShard | None] = field(default_factory=dict)  # None: listed, but its entry is not valid
     readable: dict[str, dict[str, TensorSpan]] = field(default_factory=dict)  # shards whose rows can be read
     by_shard: dict[str, list[ManifestSample]] = field(default_factory=dict)  # the samples placed in each shard
@@ -356,6 +386,7 @@ class _Check:
 def _verify_contents(check: _Check, shard_docs: list[dict[str, Any]], sample_docs: list[dict[str, Any]]) -> None:
     """Check shards and samples; `check.placement` is each sample id's shard afterwards."""
     check.summary["shards"] = len(shard_docs)
+    check.work.plan(check.job_dir, shard_docs, int(check.check_hashes) + int(check.check_values))
     for doc in shard_docs:
         _check_shard_entry(check, doc)
     check.summary["samples"] = len(sample_docs)
@@ -402,7 +433,7 @@ def _check_shard_file(check: _Check, name: str, entry: ManifestShard) -> None:
     if size != entry.bytes:
         faults.shard(name, "size_mismatch", f"{size} bytes on disk, the manifest records {entry.bytes}")
     if check.check_hashes:
-        digest = _sha256(path)
+        digest = _sha256(path, check.work)
         if digest != entry.sha256:
             faults.shard(name, "sha256_mismatch", f"sha256 {digest}, the manifest records {entry.sha256}")
     spans = _shard_tensors(path, entry, check.hidden_states, faults)
@@ -496,12 +527,18 @@ def _declared_vocab(manifest: ManifestHeader) -> int | None:
 def _check_values(check: _Check) -> None:
     """Every placed sample's rows, read from each readable shard."""
     vocab = _declared_vocab(check.manifest)
+    # the rows pass counts each shard's bytes as its samples are read; shards it cannot read count as done
+    sizes = {name: (check.job_dir / name).stat().st_size for name in check.readable}
+    check.work.moveto(check.work.total - sum(sizes.values()))
     for name in sorted(check.readable):
         path = check.job_dir / name
         placed = check.by_shard.get(name, [])
         _shard_metadata(path, name, placed, check.faults)
+        base, tokens, read = check.work.done, max(1, sum(s.num_tokens for s in placed)), 0
         with ShardRows(path, check.readable[name]) as rows:
             for s in placed:
+                read += s.num_tokens
+                check.work.moveto(base + sizes[name] * read // tokens)
                 try:
                     _check_rows(
                         rows,
@@ -516,6 +553,7 @@ def _check_values(check: _Check) -> None:
                     check.faults.sample(s.id, name, "unreadable", f"reading its rows failed: {exc}")
                     continue
                 check.summary["samples_read"] += 1
+        check.work.moveto(base + sizes[name])
 
 
 def _warn_unlisted(job_dir: Path, listed: set[str], report: VerifyReport) -> None:

@@ -394,3 +394,41 @@ def test_progress_redraws_on_a_terminal_and_prints_lines_elsewhere(finished):
     progress(job)  # unchanged: not repeated
     progress.close()
     assert plain.getvalue().count("\n") == 1 and "\r" not in plain.getvalue()
+
+
+PROGRESS_LINE = re.compile(r"^hsx (\w+): [\d.]+[kMG]?B/[\d.]+[kMG]?B \(\d+%\), .*/s(, ETA \S+)?")
+
+
+def hsx_proc(*argv: object) -> subprocess.CompletedProcess[str]:
+    """`hsx ARGS...` as its own process, stderr a pipe (never a terminal), progress lines every millisecond."""
+    env = {**os.environ, "HSX_PROGRESS_INTERVAL_S": "0.001"}
+    return subprocess.run(hsx_command() + [str(a) for a in argv], capture_output=True, text=True, env=env, timeout=120)
+
+
+def progress_lines(stderr: str, command: str) -> list[str]:
+    lines = [line for line in stderr.splitlines() if PROGRESS_LINE.match(line)]
+    assert lines and all(line.startswith(f"hsx {command}: ") for line in lines), stderr
+    return lines
+
+
+def test_long_commands_log_progress_on_stderr_when_it_is_not_a_terminal(finished, tmp_path):
+    job, _ = finished
+    path = jsonl(tmp_path / "up.jsonl", make_samples(3, seed=54))
+    done = hsx_proc("submit", path, "--name", "progress")
+    assert done.returncode == 0 and re.fullmatch(r"job_\w+ \w+: 3 samples, \d+ tokens \(progress\)\n", done.stdout)
+    size = path.stat().st_size
+    last = progress_lines(done.stderr, "submit")[-1]
+    assert "(100%)" in last and "\r" not in done.stderr and f"/{size}B " in last
+
+    out_dir = tmp_path / "dl"
+    done = hsx_proc("download", job.id, out_dir)
+    assert done.returncode == 0 and "sha256 ok" in done.stdout and "\r" not in done.stderr + done.stdout
+    assert "(100%)" in progress_lines(done.stderr, "download")[-1]
+    assert "hsx download" not in done.stdout
+    quiet = hsx_proc("download", job.id, tmp_path / "dl2", "--json")
+    assert quiet.returncode == 0 and quiet.stderr == "" and json.loads(quiet.stdout)["job_id"] == job.id
+
+    done = hsx_proc("verify", out_dir)
+    assert done.returncode == 0 and "hsx verify" not in done.stdout
+    assert "(100%)" in progress_lines(done.stderr, "verify")[-1]
+    assert hsx_proc("verify", out_dir, "-q").stderr == ""

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any
 
+from hsx.cli.progress import PROGRESS_NOTE, progress
 from hsx.layers import layers_arg
 
 NAME = "export"
 EXTRA = "training"
 HELP = "export a job for SpecForge, vLLM speculators or NVIDIA Model Optimizer training"
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Write a finished job's hidden states as one file per sample in a training framework's offline layout:
 
   specforge    rows_<a>-<b>/data_<i>.ckpt  (input_ids, loss_mask, hidden_state [1,T,H], aux_hidden_state [1,T,3H])
@@ -23,6 +23,7 @@ Layers follow hsx's numbering (0 = embeddings, k = decoder layer k, L = after th
 L, the post-norm layers and the model type come from the manifest where it records them; the
 EAGLE-3 capture is [2, L//2, L-3, L]. A job whose layers do not fit the target is refused (exit 1).
 Rerunning into the same folder skips files already complete; every file is written atomically.
+The files written so far are shown as progress. {PROGRESS_NOTE.replace("--json or ", "")}
 """
 
 
@@ -43,7 +44,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="I,J,K",
         help="aux layers in hsx numbering (default: the target's EAGLE-3 convention, [2, L//2, L-3])",
     )
-    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and no progress)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,18 +99,9 @@ def main(args: argparse.Namespace) -> int:
     from hsx.exports import export_job
     from hsx.exports.base import ExportRefused
 
-    last = [-1.0]
-
-    def progress(done: int, total: int) -> None:
-        now = time.monotonic()
-        if sys.stderr.isatty() and (now - last[0] > 0.5 or done == total):
-            last[0] = now
-            print(f"\r  {done}/{total} files", end="\n" if done == total else "", file=sys.stderr, flush=True)
-
     try:
-        result = export_job(
-            args.target, args.source, args.out_dir, progress=None if args.quiet else progress, **_options(args)
-        )
+        with progress(f"hsx export {args.target}", None, unit="files", quiet=args.quiet) as meter:
+            result = export_job(args.target, args.source, args.out_dir, progress=meter.moveto, **_options(args))
     except ExportRefused as exc:
         print(f"hsx export {args.target}: refused: {exc}", file=sys.stderr)
         return 1

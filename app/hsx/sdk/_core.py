@@ -21,6 +21,7 @@ from hsx.sdk.models import (
     Job,
     JobPage,
     Manifest,
+    ManifestShard,
     Sample,
     SamplePage,
     ShardList,
@@ -40,6 +41,8 @@ CHUNK = 1 << 20
 
 JobRef = Any  # a job id, or a Job (anything with an `id`)
 ShardProgress = Callable[[str, int, int], None]  # (shard name, bytes done, bytes total)
+BytesSent = Callable[[int], None]  # (bytes sent so far)
+JobBytes = Callable[[int, int], None]  # (bytes in the folder so far, bytes of all the job's shards)
 
 
 def client_options(base_url: str | None, token: str | None, timeout: float, options: dict[str, Any]) -> dict[str, Any]:
@@ -208,9 +211,38 @@ class Calls:
         return Call("GET", "/v1/token", TokenInfo)
 
 
-def file_chunks(f: IO[bytes], size: int = 1 << 16) -> Iterator[bytes]:
+def file_chunks(f: IO[bytes], size: int = 1 << 16, progress: BytesSent | None = None) -> Iterator[bytes]:
+    sent = 0
     while chunk := f.read(size):
         yield chunk
+        # called once the chunk has been taken for sending, so the count never runs ahead of the upload
+        sent += len(chunk)
+        if progress is not None:
+            progress(sent)
+
+
+class JobDownload:
+    """A whole job's download as bytes: each shard's progress (passed on to `on_progress`) added to the shards
+    already finished, reported to `progress` as (done, total)."""
+
+    def __init__(self, shards: list[ManifestShard], progress: JobBytes | None, on_progress: ShardProgress | None):
+        self.total = sum(s.bytes for s in shards)
+        self.finished = 0
+        self.progress, self.on_progress = progress, on_progress
+        self.report(0)
+
+    def shard(self, name: str, done: int, total: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(name, done, total)
+        self.report(done)
+
+    def shard_done(self, size: int) -> None:
+        self.finished += size
+        self.report(0)
+
+    def report(self, current: int) -> None:
+        if self.progress is not None:
+            self.progress(min(self.finished + current, self.total), self.total)
 
 
 # What `wait()` polls through: the service or its database restarting is not the job failing.

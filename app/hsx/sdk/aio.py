@@ -14,8 +14,11 @@ from hsx.sdk._core import (
     CHUNK,
     TRANSIENT,
     Answer,
+    BytesSent,
     Call,
     Calls,
+    JobBytes,
+    JobDownload,
     JobRef,
     Poll,
     Report,
@@ -24,6 +27,7 @@ from hsx.sdk._core import (
     SSEDecoder,
     check_shard_name,
     client_options,
+    file_chunks,
     job_events,
     jobs_path,
     resolve_dest,
@@ -51,8 +55,8 @@ if TYPE_CHECKING:
 __all__ = ["AsyncHsxClient"]
 
 
-async def _achunks(f: IO[bytes], size: int) -> AsyncIterator[bytes]:
-    while chunk := f.read(size):
+async def _achunks(f: IO[bytes], size: int, progress: BytesSent | None = None) -> AsyncIterator[bytes]:
+    for chunk in file_chunks(f, size, progress):
         yield chunk
 
 
@@ -105,12 +109,13 @@ class AsyncHsxClient:
         layers: list[int] | None = None,
         idempotency_key: str | None = None,
         chunk_size: int = 1 << 16,
+        progress: BytesSent | None = None,
     ) -> Job:
         call = Calls.submit_jsonl(name, layers, idempotency_key)
         if isinstance(source, (str, os.PathLike)):
             with open(source, "rb") as f:
-                return await self._send(call, content=_achunks(f, chunk_size))
-        return await self._send(call, content=_achunks(source, chunk_size))
+                return await self._send(call, content=_achunks(f, chunk_size, progress))
+        return await self._send(call, content=_achunks(source, chunk_size, progress))
 
     async def get_job(self, job: JobRef) -> Job:
         return await self._send(Calls.get_job(job))
@@ -255,7 +260,12 @@ class AsyncHsxClient:
         return await self._fetch(job, dl)
 
     async def download_job(
-        self, job: JobRef, directory: str | os.PathLike[str], *, on_progress: ShardProgress | None = None
+        self,
+        job: JobRef,
+        directory: str | os.PathLike[str],
+        *,
+        on_progress: ShardProgress | None = None,
+        progress: JobBytes | None = None,
     ) -> Manifest:
         call = Calls.manifest(job)
         resp = await self._http.request(call.method, call.path)
@@ -264,11 +274,18 @@ class AsyncHsxClient:
         manifest = Manifest.model_validate_json(resp.content)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        tracker = JobDownload(manifest.shards, progress, on_progress)
         for shard in manifest.shards:
             check_shard_name(shard.name)
             await self.download_shard(
-                job, shard.name, directory / shard.name, sha256=shard.sha256, size=shard.bytes, on_progress=on_progress
+                job,
+                shard.name,
+                directory / shard.name,
+                sha256=shard.sha256,
+                size=shard.bytes,
+                on_progress=tracker.shard,
             )
+            tracker.shard_done(shard.bytes)
         if manifest.state in TERMINAL_JOB_STATES:
             write_atomic(directory / "manifest.json", resp.content)
         return manifest

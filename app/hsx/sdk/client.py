@@ -14,8 +14,11 @@ from hsx.sdk._core import (
     CHUNK,
     TRANSIENT,
     Answer,
+    BytesSent,
     Call,
     Calls,
+    JobBytes,
+    JobDownload,
     JobRef,
     Poll,
     Report,
@@ -107,14 +110,16 @@ class HsxClient:
         layers: list[int] | None = None,
         idempotency_key: str | None = None,
         chunk_size: int = 1 << 16,
+        progress: BytesSent | None = None,
     ) -> Job:
         """Create a job from a local JSONL file (a path or a binary file object), streamed as
-        application/x-ndjson in chunks: the file is never read whole."""
+        application/x-ndjson in chunks: the file is never read whole. `progress(bytes_sent)` is called after each
+        chunk."""
         call = Calls.submit_jsonl(name, layers, idempotency_key)
         if isinstance(source, (str, os.PathLike)):
             with open(source, "rb") as f:
-                return self._send(call, content=file_chunks(f, chunk_size))
-        return self._send(call, content=file_chunks(source, chunk_size))
+                return self._send(call, content=file_chunks(f, chunk_size, progress))
+        return self._send(call, content=file_chunks(source, chunk_size, progress))
 
     def get_job(self, job: JobRef) -> Job:
         return self._send(Calls.get_job(job))
@@ -273,11 +278,19 @@ class HsxClient:
         return self._fetch(job, dl)
 
     def download_job(
-        self, job: JobRef, directory: str | os.PathLike[str], *, on_progress: ShardProgress | None = None
+        self,
+        job: JobRef,
+        directory: str | os.PathLike[str],
+        *,
+        on_progress: ShardProgress | None = None,
+        progress: JobBytes | None = None,
     ) -> Manifest:
         """Download every shard the manifest lists (each resumable and sha256-checked) into `directory`; once the
         job is finished, write manifest.json there too (last, atomically), so its presence means the folder is
-        complete. Shards already there are not fetched again. Returns the manifest."""
+        complete. Shards already there are not fetched again. Returns the manifest.
+
+        `on_progress(shard, done, total)` follows each shard's bytes; `progress(done, total)` the whole job's
+        (shards already there count as done once checked)."""
         call = Calls.manifest(job)
         resp = self._http.request(call.method, call.path)
         if resp.is_error:
@@ -285,11 +298,18 @@ class HsxClient:
         manifest = Manifest.model_validate_json(resp.content)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        tracker = JobDownload(manifest.shards, progress, on_progress)
         for shard in manifest.shards:
             check_shard_name(shard.name)
             self.download_shard(
-                job, shard.name, directory / shard.name, sha256=shard.sha256, size=shard.bytes, on_progress=on_progress
+                job,
+                shard.name,
+                directory / shard.name,
+                sha256=shard.sha256,
+                size=shard.bytes,
+                on_progress=tracker.shard,
             )
+            tracker.shard_done(shard.bytes)
         if manifest.state in TERMINAL_JOB_STATES:
             write_atomic(directory / "manifest.json", resp.content)
         return manifest

@@ -32,6 +32,10 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true", help="show no progress on stderr")
+
+
 def run(args: argparse.Namespace, body: Callable[[HsxClient], int | None]) -> int:
     """Open the client, run the command's body, and turn failures into stderr messages and exit codes."""
     import httpx

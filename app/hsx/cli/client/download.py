@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
-from hsx.cli.client.common import ENV_NOTE, add_common, follow, human_bytes, print_json, run
+from hsx.cli.client.common import ENV_NOTE, add_common, add_quiet, follow, human_bytes, print_json, run
+from hsx.cli.progress import PROGRESS_NOTE, progress
 from hsx.states import TERMINAL_JOB_STATES
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ manifest's; run the same command again after an interruption and it resumes each
 complete; for a job still running only the shards written so far are fetched (--wait waits for the job to
 finish first). --json prints {{"job_id", "state", "directory", "manifest", "shards": [{{"name", "bytes", "sha256",
 "resumed_from", "skipped"}}]}}.
+{PROGRESS_NOTE}
 {ENV_NOTE}
 
 examples:
@@ -36,27 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job id")
     parser.add_argument("dir", metavar="DIR", help="folder to download into (created if missing)")
     parser.add_argument("--wait", action="store_true", help="wait for the job to finish first")
+    add_quiet(parser)
     add_common(parser)
 
 
-class ShardProgress:
-    def __init__(self, tty: bool):
-        self.tty = tty
+class ShardsSeen:
+    """Where each shard's transfer started (a resumed part's size), to tell fetched shards from skipped ones."""
+
+    def __init__(self) -> None:
         self.started: dict[str, int] = {}
-        self.drawn = False
 
     def __call__(self, name: str, done: int, total: int) -> None:
         self.started.setdefault(name, done)
-        if self.tty:
-            sys.stdout.write(f"\r\033[K  {name}  {human_bytes(done)} / {human_bytes(total)}")
-            sys.stdout.flush()
-            self.drawn = True
-
-    def clear(self) -> None:
-        if self.drawn:
-            sys.stdout.write("\r\033[K")
-            sys.stdout.flush()
-            self.drawn = False
 
 
 class DownloadedShard(TypedDict):
@@ -76,14 +69,12 @@ def main(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"{job.id} {job.state}")
         directory = Path(args.dir)
-        progress = ShardProgress(tty=not args.json and sys.stdout.isatty())
-        try:
-            manifest = hsx.download_job(args.job, directory, on_progress=progress)
-        finally:
-            progress.clear()
+        seen = ShardsSeen()
+        with progress("hsx download", None, quiet=args.quiet or args.json) as meter:
+            manifest = hsx.download_job(args.job, directory, on_progress=seen, progress=meter.moveto)
         shards: list[DownloadedShard] = []
         for s in manifest.shards:
-            resumed = progress.started.get(s.name)
+            resumed = seen.started.get(s.name)
             shards.append(
                 {
                     "name": s.name,

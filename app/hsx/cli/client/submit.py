@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, follow, outcome, print_json, run
+from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, add_quiet, follow, outcome, print_json, run
+from hsx.cli.progress import PROGRESS_NOTE, progress
 from hsx.layers import layers_arg
 
 if TYPE_CHECKING:
-    from hsx.sdk import HsxClient
+    from hsx.sdk import HsxClient, Job
 
 NAME = "submit"
 HELP = "create a job from a JSONL file (streamed) or a file under the service's input root"
@@ -21,6 +24,7 @@ FILE is a local JSONL file with one sample per line, {{"id": ..., "input_ids": [
 "-" reads standard input. With --input-path the service reads a JSONL file under its own input root
 instead. Every sample is checked before anything is stored: a refused job lists each bad line on stderr
 and exits 2. With --wait the job's progress is followed until it finishes (exit 0 only if it succeeded).
+The upload of FILE shows its progress in bytes. {PROGRESS_NOTE}
 {ENV_NOTE}
 
 examples:
@@ -44,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="seconds between progress updates with --wait (default: %(default)s)",
     )
+    add_quiet(parser)
     add_common(parser)
 
 
@@ -55,6 +60,20 @@ def _open_jsonl(path: str) -> BinaryIO:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def _size(source: BinaryIO) -> int | None:
+    """The bytes there are to send: a regular file's size; None for a pipe or a terminal."""
+    try:
+        info = os.fstat(source.fileno())
+    except (OSError, ValueError):
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
+
+
+def _upload(hsx: HsxClient, source: BinaryIO, args: argparse.Namespace, options: dict[str, Any]) -> Job:
+    with progress("hsx submit", _size(source), quiet=args.quiet or args.json) as meter:
+        return hsx.submit_jsonl(source, progress=meter.moveto, **options)
+
+
 def main(args: argparse.Namespace) -> int:
     def body(hsx: HsxClient) -> int:
         if (args.file is None) == (args.input_path is None):
@@ -63,10 +82,10 @@ def main(args: argparse.Namespace) -> int:
         if args.input_path is not None:
             job = hsx.create_job(input_path=args.input_path, **options)
         elif args.file == "-":
-            job = hsx.submit_jsonl(sys.stdin.buffer, **options)
+            job = _upload(hsx, sys.stdin.buffer, args, options)
         else:
             with _open_jsonl(args.file) as source:
-                job = hsx.submit_jsonl(source, **options)
+                job = _upload(hsx, source, args, options)
         if not args.json:
             print(
                 f"{job.id} {job.state}: {job.counts.total} samples, {job.tokens.total} tokens"
