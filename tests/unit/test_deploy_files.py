@@ -357,9 +357,24 @@ def test_nginx_accepts_the_sample(tmp_path: Path) -> None:
     # nginx -t loads the certificate and key: a throwaway self-signed pair in their place.
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=hsx.example.org",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=hsx.example.org",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
     )
     sample = NGINX.read_text(encoding="utf-8")
     for directive, path in (("ssl_certificate ", cert), ("ssl_certificate_key ", key)):
