@@ -260,9 +260,18 @@ def test_the_units_run_hsx_as_their_own_user_with_a_restart_policy_and_a_sandbox
         assert entries[("Service", "NoNewPrivileges")] == "yes", unit.name
         assert entries[("Service", "CapabilityBoundingSet")] == "", unit.name
         assert entries[("Install", "WantedBy")] == "multi-user.target", unit.name
+        # A leak or a runaway body ends in a restart, not in the machine's OOM killer choosing a victim.
+        high, top = (entries[("Service", k)] for k in ("MemoryHigh", "MemoryMax"))
+        assert memory_bytes(high) < memory_bytes(top), unit.name
         for _, key, value in unit_entries(unit):
             if key == "EnvironmentFile":
                 assert example_of(value).exists(), f"{unit.name}: no example for {value}"
+
+
+def memory_bytes(value: str) -> int:
+    """A systemd memory size (1536M, 4G) in bytes."""
+    number, unit = re.fullmatch(r"(\d+)([KMG]?)", value).groups()  # type: ignore[union-attr]
+    return int(number) << {"": 0, "K": 10, "M": 20, "G": 30}[unit]
 
 
 def test_the_worker_template_reads_its_instances_settings() -> None:
@@ -312,6 +321,83 @@ def test_systemd_analyze_rates_every_unit_ok(tmp_path: Path) -> None:
         assert level, done.stdout + done.stderr
         print(f"{unit.name}: exposure {level[1]} {level[2]}")
         assert float(level[1]) <= 2.0, done.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# nginx (TLS in front of the API)
+
+
+NGINX = DEPLOY / "nginx" / "hsx.conf"
+
+
+def nginx_directives(name: str) -> list[str]:
+    """The arguments of every `name ...;` directive of the sample, in order."""
+    text = "\n".join(ln.split("#")[0] for ln in NGINX.read_text(encoding="utf-8").splitlines())
+    return [m.strip() for m in re.findall(rf"(?m)^\s*{name}\s+([^;]*);", text)]
+
+
+def test_the_nginx_sample_streams_to_the_api_with_hsxs_body_limit() -> None:
+    from hsx.config import Settings
+
+    assert nginx_directives("proxy_request_buffering") == ["off"]
+    assert nginx_directives("proxy_buffering") == ["off"]
+    assert nginx_directives("proxy_http_version") == ["1.1"], "else a chunked body is buffered whole"
+    (upstream,) = nginx_directives("proxy_pass")
+    api = env_file(DEPLOY / "systemd" / "api.env.example")
+    assert upstream == f"http://127.0.0.1:{api['HSX_PORT']}"
+    (size,) = nginx_directives("client_max_body_size")
+    assert size.endswith("g") and int(size[:-1]) << 30 == Settings.model_fields["max_ndjson_bytes"].default
+    (timeout,) = nginx_directives("proxy_read_timeout")
+    assert int(timeout.rstrip("s")) >= Settings.model_fields["body_timeout_s"].default
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed (a certificate for nginx -t)")
+def test_nginx_accepts_the_sample(tmp_path: Path) -> None:
+    # nginx -t loads the certificate and key: a throwaway self-signed pair in their place.
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=hsx.example.org",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    sample = NGINX.read_text(encoding="utf-8")
+    for directive, path in (("ssl_certificate ", cert), ("ssl_certificate_key ", key)):
+        sample = re.sub(rf"(?m)^(\s*{directive}\s*)\S+;", rf"\g<1>{path};", sample)
+    (tmp_path / "hsx.conf").write_text(sample, encoding="utf-8")
+    # The sample as /etc/nginx/conf.d/ holds it: inside `http`; everything nginx writes under tmp_path.
+    temp = " ".join(f"{d}_temp_path {tmp_path / d};" for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    (tmp_path / "nginx.conf").write_text(
+        f"pid {tmp_path / 'nginx.pid'};\nerror_log stderr;\nevents {{}}\n"
+        f"http {{ access_log off; {temp} include {tmp_path / 'hsx.conf'}; }}\n",
+        encoding="utf-8",
+    )
+    done = subprocess.run(
+        ["nginx", "-t", "-q", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], capture_output=True, text=True
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    broken = tmp_path / "broken.conf"
+    broken.write_text(sample.replace("proxy_buffering off", "proxy_bufering off"), encoding="utf-8")
+    (tmp_path / "nginx.conf").write_text((tmp_path / "nginx.conf").read_text().replace("hsx.conf", "broken.conf"))
+    done = subprocess.run(
+        ["nginx", "-t", "-q", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "proxy_bufering" in done.stderr, "the check must catch a misspelt directive"
 
 
 # ---------------------------------------------------------------------------------------------------
