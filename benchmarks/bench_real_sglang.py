@@ -31,17 +31,18 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support import real_sglang
+from tests.support import tiny_llama
 from tests.support.procs import proc_tree_cpu
-from tests.support.real_sglang import PLUGIN_FLAGS, SGLang, make_model, sglang_python
+from tests.support.real_sglang import PLUGIN_FLAGS, SGLang, sglang_python
 from tests.support.stack import start_service
+from tests.support.tiny_llama import make_model
 
 Row = dict[str, Any]
 
 
 def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(real_sglang.VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [[rng.randrange(tiny_llama.VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def timed(name: str, samples: list[list[int]], run: Any) -> Row:
@@ -143,12 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=60)
     p.add_argument("--min-tokens", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=400)
-    p.add_argument("--hidden", type=int, default=real_sglang.HIDDEN)
+    p.add_argument("--hidden", type=int, default=tiny_llama.HIDDEN)
     args = p.parse_args(argv)
-    real_sglang.HIDDEN = args.hidden
     with tempfile.TemporaryDirectory(prefix="hsx-bench-real-") as d:
         work = Path(d)
-        make_model(work / "model")
+        make_model(work / "model", hidden=args.hidden)
         print(f"{datetime.now(timezone.utc):%Y-%m-%d}: real SGLang 0.5.23, CPU engine, tiny Llama float32")
         print(f"(hidden {args.hidden}, 8 layers), {args.samples} samples of {args.min_tokens}-{args.max_tokens} tokens")
         print_table("plugin mode (aux layers + layer L, dumps)", mode_rows(args, work, work / "model", plugin=True))

@@ -28,7 +28,8 @@ import httpx
 from safetensors.torch import load_file, save_file
 
 from benchmarks.bench_real_sglang import Row, print_table, prompts, service, timed
-from tests.support.real_vllm import VLLM, make_model, vllm_python
+from tests.support.real_vllm import VLLM, vllm_python
+from tests.support.tiny_llama import make_model
 
 LAYERS = [2, 4, 5, 8]
 

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.support.real_sglang import NUM_LAYERS, SGLang, make_model, run_and_check, sglang_python
+from tests.support.real_sglang import SGLang, run_and_check, sglang_python
 from tests.support.stack import start_service
+from tests.support.tiny_llama import NUM_LAYERS, make_model
 
 pytestmark = pytest.mark.slow  # a real SGLang per case: 30-95 s to start
 

@@ -15,19 +15,9 @@ import httpx
 import pytest
 import torch
 
-from tests.support.real_sglang import (
-    AUX,
-    NUM_LAYERS,
-    PLUGIN_FLAGS,
-    VOCAB,
-    SGLang,
-    check_stored,
-    make_items,
-    make_model,
-    run_and_check,
-    sglang_python,
-)
+from tests.support.real_sglang import AUX, PLUGIN_FLAGS, SGLang, check_stored, make_items, run_and_check, sglang_python
 from tests.support.stack import start_service, start_stock_sglang
+from tests.support.tiny_llama import NUM_LAYERS, VOCAB, make_model
 
 pytestmark = pytest.mark.slow  # one real SGLang for the module: 30-95 s to start
 

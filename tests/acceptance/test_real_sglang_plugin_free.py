@@ -12,17 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.real_sglang import (
-    AUX,
-    NUM_LAYERS,
-    PLUGIN_FLAGS,
-    SGLang,
-    make_items,
-    make_model,
-    run_and_check,
-    sglang_python,
-)
+from tests.support.real_sglang import AUX, PLUGIN_FLAGS, SGLang, make_items, run_and_check, sglang_python
 from tests.support.stack import start_service
+from tests.support.tiny_llama import NUM_LAYERS, make_model
 
 pytestmark = pytest.mark.slow  # one real SGLang for the module: 30-95 s to start
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from hsx.manifest import load_manifest, read_sample
-from tests.support.real_vllm import NUM_LAYERS, VLLM, VOCAB, make_model, truth, vllm_python
+from tests.support.real_vllm import VLLM, truth, vllm_python
 from tests.support.stack import Service, start_service
+from tests.support.tiny_llama import NUM_LAYERS, VOCAB, make_model
 
 pytestmark = pytest.mark.slow  # one real vLLM for the module: 30-95 s to start
 

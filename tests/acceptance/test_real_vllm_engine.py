@@ -14,16 +14,8 @@ import httpx
 import pytest
 import torch
 
-from tests.support.real_vllm import (
-    HIDDEN,
-    NUM_LAYERS,
-    VLLM,
-    VOCAB,
-    make_model,
-    read_hidden_states,
-    truth,
-    vllm_python,
-)
+from tests.support.real_vllm import VLLM, read_hidden_states, truth, vllm_python
+from tests.support.tiny_llama import HIDDEN, NUM_LAYERS, VOCAB, make_model
 
 pytestmark = pytest.mark.slow  # one real vLLM for the module: 30-95 s to start
 

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from hsx.manifest import load_manifest, read_sample
-from tests.support.procs import Process, free_port
+from tests.support.engine_server import EngineServer
+from tests.support.tiny_llama import NUM_LAYERS, VOCAB
 
 ENV_SCRIPT = Path(__file__).resolve().parent / "engines" / "sglang-env.sh"
-HIDDEN, NUM_LAYERS, VOCAB = 256, 8, 1000
 AUX = [2, NUM_LAYERS // 2, NUM_LAYERS - 3]  # EAGLE-3's layers for 8 layers, as hsx numbers them
 PLUGIN_FLAGS = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
 
@@ -59,45 +59,16 @@ def sglang_python() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def make_model(folder: Path, dtype: str = "float32") -> torch.nn.Module:
-    """A tiny random Llama saved in `dtype`; returned in float32 with the saved weights' values."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=2048,
-        torch_dtype=dtype,
-    )
-    m = LlamaForCausalLM(config).eval()
-    m.to(getattr(torch, dtype)).save_pretrained(folder)
-    return m.float()
-
-
 @dataclass
-class SGLang:
+class SGLang(EngineServer):
     """One real SGLang server; `restart()` starts it again on the same port (after a kill, say)."""
 
-    python: str
-    tmp: Path
-    model_path: Path
-    flags: list[str]
+    flags: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     dtype: str = "float32"
     broken_plugin: bool = False
-    port: int = field(default_factory=free_port)
-    proc: Process | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> SGLang:
+    def command(self) -> tuple[list[str], dict[str, str]]:
         paths = self.tmp / "pythonpath"
         (paths / "sgl_kernel").mkdir(parents=True, exist_ok=True)
         (paths / "sgl_kernel" / "__init__.py").write_text(textwrap.dedent(KERNEL_STANDIN))
@@ -109,29 +80,7 @@ class SGLang:
         args += ["--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--skip-tokenizer-init"]
         args += ["--chunked-prefill-size", "-1", *self.flags]
         env = {"PYTHONPATH": str(paths), "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", **self.env}
-        self.proc = Process(args, self.tmp / f"sglang-{self.port}.log", env=env)
-        try:
-            self.proc.wait_http(self.url + "/health", timeout=400)
-        except BaseException:
-            self.proc.stop()
-            raise
-        return self
-
-    def log(self) -> str:
-        return self.proc.log() if self.proc else ""
-
-    def kill(self) -> None:
-        if self.proc:
-            self.proc.kill()
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def stop(self) -> None:
-        if self.proc:
-            self.proc.stop()
-            self.proc = None
+        return args, env
 
 
 def truth(m: torch.nn.Module, ids: list[int], layers: list[int]) -> dict[int, torch.Tensor]:

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.support.procs import Process, free_port
+from tests.support.engine_server import EngineServer
+from tests.support.tiny_llama import NUM_LAYERS
 
 ENV_SCRIPT = Path(__file__).resolve().parent / "engines" / "vllm-env.sh"
 CONNECTOR, CONNECTOR_MODULE = "HiddenStatesConnector", "hsx_vllm.connector"
-HIDDEN, NUM_LAYERS, VOCAB = 256, 8, 1000
 
 
 def vllm_python() -> str:
@@ -29,26 +29,6 @@ def vllm_python() -> str:
     done = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
-
-
-def make_model(folder: Path, dtype: str = "float32") -> torch.nn.Module:
-    """A tiny random Llama saved in `dtype`; returned in float32 with the saved weights' values."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=2048,
-        torch_dtype=dtype,
-    )
-    m = LlamaForCausalLM(config).eval()
-    m.to(getattr(torch, dtype)).save_pretrained(folder)
-    return m.float()
 
 
 def launch_args(python: str, model: Path, port: int, dtype: str, layers: list[int], storage: Path) -> list[str]:
@@ -72,51 +52,19 @@ def launch_args(python: str, model: Path, port: int, dtype: str, layers: list[in
 
 
 @dataclass
-class VLLM:
+class VLLM(EngineServer):
     """One real vLLM server writing hidden states of `layers` under `storage`; `restart()` starts
     it again on the same port (after a kill, say)."""
 
-    python: str
-    tmp: Path
-    model_path: Path
-    layers: list[int]
-    storage: Path
+    layers: list[int] = field(default_factory=list)
+    storage: Path = Path()
     dtype: str = "float32"
     env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
-    proc: Process | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> VLLM:
+    def command(self) -> tuple[list[str], dict[str, str]]:
         args = launch_args(self.python, self.model_path, self.port, self.dtype, self.layers, self.storage)
         # 1 GiB of KV cache is plenty for the tiny model (the CPU build's default is far more).
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **self.env}
-        self.proc = Process(args, self.tmp / f"vllm-{self.port}.log", env=env)
-        try:
-            self.proc.wait_http(self.url + "/health", timeout=400)
-        except BaseException:
-            self.proc.stop()
-            raise
-        return self
-
-    def log(self) -> str:
-        return self.proc.log() if self.proc else ""
-
-    def kill(self) -> None:
-        if self.proc:
-            self.proc.kill()
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def stop(self) -> None:
-        if self.proc:
-            self.proc.stop()
-            self.proc = None
+        return args, {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **self.env}
 
 
 def read_hidden_states(path: str) -> dict[str, torch.Tensor]:

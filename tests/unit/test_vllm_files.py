@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hsx.backends.capture import CaptureProblem
-from hsx.backends.dumps import DumpRejected, validate
+from hsx.backends.dumps import DumpRejected, validate, write_dump
 from hsx.backends.vllm import (
     VLLM_INFO_FILE,
     VLLM_INFO_FORMAT,
@@ -24,7 +24,6 @@ from hsx.backends.vllm import (
     read_vllm_info,
     shared_lock,
     vllm_capture,
-    write_staged,
 )
 from hsx.manifest import post_norm_layers
 from hsx.storage.safetensors_raw import encode_header
@@ -61,7 +60,7 @@ def test_the_rows_are_read_only_for_the_samples_own_token_ids(tmp_path):
 def test_each_layer_is_staged_as_its_own_tensor(tmp_path):
     rows = rows_for(len(IDS))
     meta = {"num_tokens": 5, "layers": [2, 4, 8], "hidden_size": 8, "dtype": "float32", "rid": "r", "cached_tokens": 0}
-    write_staged(tmp_path / "staged", meta, rows)
+    write_dump(tmp_path / "staged", meta, [np.ascontiguousarray(rows[:, j, :]) for j in range(3)])
     dump = validate(tmp_path / "staged", meta, expect_layers=[2, 4, 8])
     for j, i in enumerate([2, 4, 8]):
         span = dump.layers[i]

@@ -23,7 +23,8 @@ from safetensors import safe_open
 
 from hsx.dtypes import DTYPES, DTYPES_BY_CODE, HIDDEN_STATE_DTYPES
 from hsx.identity import Identity
-from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
+from hsx.layers import layer_key
+from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, encode_header, read_index
 
 REQUIRED_META = ("num_tokens", "layers", "hidden_size", "dtype")
 
@@ -300,3 +301,20 @@ def load_staged(d: Path) -> Dump:
     meta = read_meta(d)
     sources = _layer_sources(d, meta)
     return Dump(d, meta, {i: _raw(src) for i, src in sources.items()})
+
+
+def write_dump(dest: Path, meta: dict[str, Any], blocks: list[np.ndarray]) -> None:
+    """A dump directory of hsx's own making (rows taken from an answer or a server's file): one
+    `[tokens, hidden]` tensor per layer of `meta["layers"]`, each block the contiguous bits of
+    `meta["dtype"]`, and `done` last; an earlier attempt's leftovers are replaced."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    code = DTYPES[meta["dtype"]].code
+    header = encode_header([(layer_key(i), code, b.shape) for i, b in zip(meta["layers"], blocks)], {})
+    fd = os.open(dest / "hidden_states.safetensors", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(header)
+        for block in blocks:
+            f.write(block.data)  # contiguous: written without a copy
+    (dest / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    (dest / "done").touch()

@@ -10,8 +10,6 @@ the writer cannot tell where it came from.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,14 +17,11 @@ from typing import Any
 import numpy as np
 
 from hsx.backends.capture import Capture
-from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, validate
+from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, validate, write_dump
 from hsx.backends.extract import Expectation, check_answer
 from hsx.backends.hidden_json import HiddenStatesJSONError, parse_hidden_states_answer
 from hsx.backends.sglang import SGLangClient, parse_answer
-from hsx.dtypes import DTYPES
 from hsx.identity import Identity
-from hsx.layers import layer_key
-from hsx.storage.safetensors_raw import encode_header
 
 
 class ResponseExtractor:
@@ -73,20 +68,9 @@ class ResponseExtractor:
             raise
 
     def _stage(self, dest: Path, meta: dict[str, Any], rows: np.ndarray) -> None:
-        """Write the dump directory, `done` last; any earlier attempt's leftovers are replaced."""
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir(parents=True)
+        """The answer's `[tokens, layers * hidden]` rows as one exact block per layer."""
         h = self.hidden_size
-        blocks = [exact(rows[:, j * h : (j + 1) * h], self.dtype) for j in range(len(self.layers))]
-        code = DTYPES[self.dtype].code
-        header = encode_header([(layer_key(i), code, (rows.shape[0], h)) for i in self.layers], {})
-        fd = os.open(dest / "hidden_states.safetensors", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            for block in blocks:
-                f.write(block.data)  # contiguous: written without a copy
-        (dest / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        (dest / "done").touch()
+        write_dump(dest, meta, [exact(rows[:, j * h : (j + 1) * h], self.dtype) for j in range(len(self.layers))])
 
 
 def exact(values: np.ndarray, dtype: str) -> np.ndarray:

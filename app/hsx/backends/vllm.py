@@ -31,46 +31,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 from hsx.backends.capture import Capture, CaptureProblem, describe_model
-from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, validate
+from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, validate, write_dump
 from hsx.backends.extract import Expectation
-from hsx.backends.sglang import BackendRejected, BackendUnavailable
-from hsx.dtypes import DTYPES, DTYPES_BY_CODE, HIDDEN_STATE_DTYPES
+from hsx.backends.http import BackendRejected, HttpBackend
+from hsx.dtypes import DTYPES_BY_CODE, HIDDEN_STATE_DTYPES
 from hsx.identity import Identity
-from hsx.layers import layer_key
-from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, encode_header, read_index
+from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
 
 VLLM_INFO_FILE = "hsx-vllm.json"
 VLLM_INFO_FORMAT = "hsx-vllm/1"
 LOCK_POLL_S = 0.005
 
 
-class VLLMClient:
+class VLLMClient(HttpBackend):
     """The part of vLLM's OpenAI-compatible server that extraction uses."""
-
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
-        self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
-
-    def close(self) -> None:
-        self._http.close()
-
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            resp = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise BackendUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code in (502, 503, 504):
-            raise BackendUnavailable(f"{method} {path}: HTTP {resp.status_code}")
-        if resp.status_code >= 400:
-            raise BackendRejected(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:500]}")
-        return resp
-
-    def health(self) -> None:
-        self._request("GET", "/health")
 
     def model(self) -> str:
         """The name requests must give: the one model the server serves."""
@@ -183,7 +160,8 @@ class VLLMExtractor:
             "input_ids_sha256": ids_sha256(input_ids),
         }
         try:
-            write_staged(dest, meta, rows)
+            # vLLM interleaves the layers row by row: one contiguous block per layer.
+            write_dump(dest, meta, [np.ascontiguousarray(rows[:, j, :]) for j in range(rows.shape[1])])
             dump = validate(
                 dest, meta, expect_layers=expect.layers, expect_hidden=expect.hidden_size, expect_dtype=expect.dtype
             )
@@ -255,20 +233,3 @@ def read_rows(path: Path, input_ids: list[int], layers: list[int]) -> tuple[np.n
 def _array(span: TensorSpan) -> np.ndarray:
     data = np.frombuffer(span.read(), dtype=DTYPES_BY_CODE[span.dtype].numpy)
     return data.reshape(span.shape)
-
-
-def write_staged(dest: Path, meta: dict[str, Any], rows: np.ndarray) -> None:
-    """A dump directory with one `[tokens, hidden]` tensor per layer (vLLM interleaves the layers
-    row by row), `done` last; an earlier attempt's leftovers are replaced."""
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    n, _, hidden = rows.shape
-    code = DTYPES[meta["dtype"]].code
-    header = encode_header([(layer_key(i), code, (n, hidden)) for i in meta["layers"]], {})
-    fd = os.open(dest / "hidden_states.safetensors", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(header)
-        for j in range(rows.shape[1]):
-            f.write(np.ascontiguousarray(rows[:, j, :]).data)
-    (dest / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    (dest / "done").touch()
