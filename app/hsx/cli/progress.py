@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
@@ -177,13 +178,17 @@ def progress(
         sink = open(os.devnull, "w")  # noqa: SIM115 - closed below, after the bar
         bar = _StallAwareBar(file=sink, mininterval=0.1, **options)
         lines = _LogLines(bar, stream)
-        ticker = _Ticker(interval if interval is not None else log_interval(), lines.write)
+        every = interval if interval is not None else log_interval()
+        ticker = _Ticker(every, lines.write)
+    started = time.monotonic()
     ticker.start()
     try:
         yield Meter(bar)
     finally:
         ticker.stop()
-        if not on_terminal and lines.lines:
+        # A line was due once the operation outlasted the interval, whether or not the ticker's thread
+        # got to run by then (a busy machine): the last line is written either way.
+        if not on_terminal and (lines.lines or time.monotonic() - started >= every):
             lines.write(last=True)
         bar.close()
         if not on_terminal:
