@@ -318,3 +318,25 @@ def write_dump(dest: Path, meta: dict[str, Any], blocks: list[np.ndarray]) -> No
             f.write(block.data)  # contiguous: written without a copy
     (dest / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     (dest / "done").touch()
+
+
+def stage_dump(
+    dest: Path,
+    meta: dict[str, Any],
+    blocks: list[np.ndarray],
+    identity: Identity,
+    *,
+    expect_layers: list[int] | None,
+    expect_hidden: int | None,
+    expect_dtype: str | None,
+) -> Dump:
+    """write_dump, then validate what was written as any dump is; the dump carries `identity`, and
+    nothing is left at `dest` when either step fails."""
+    try:
+        write_dump(dest, meta, blocks)
+        dump = validate(dest, meta, expect_layers=expect_layers, expect_hidden=expect_hidden, expect_dtype=expect_dtype)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    dump.identity = identity
+    return dump

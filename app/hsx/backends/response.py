@@ -10,14 +10,12 @@ the writer cannot tell where it came from.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from hsx.backends.capture import Capture
-from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, validate, write_dump
+from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, stage_dump
 from hsx.backends.extract import Expectation, check_answer
 from hsx.backends.hidden_json import HiddenStatesJSONError, parse_hidden_states_answer
 from hsx.backends.sglang import SGLangClient, parse_answer
@@ -55,22 +53,18 @@ class ResponseExtractor:
             "cached_tokens": 0,
             "input_ids_sha256": ids_sha256(input_ids),
         }
-        dest = self.staging / staged_name
-        try:
-            self._stage(dest, meta, rows)
-            dump = validate(
-                dest, meta, expect_layers=expect.layers, expect_hidden=expect.hidden_size, expect_dtype=expect.dtype
-            )
-            dump.identity = Identity.RESPONSE
-            return dump
-        except BaseException:
-            shutil.rmtree(dest, ignore_errors=True)
-            raise
-
-    def _stage(self, dest: Path, meta: dict[str, Any], rows: np.ndarray) -> None:
-        """The answer's `[tokens, layers * hidden]` rows as one exact block per layer."""
+        # The answer's `[tokens, layers * hidden]` rows as one exact block per layer.
         h = self.hidden_size
-        write_dump(dest, meta, [exact(rows[:, j * h : (j + 1) * h], self.dtype) for j in range(len(self.layers))])
+        blocks = [exact(rows[:, j * h : (j + 1) * h], self.dtype) for j in range(len(self.layers))]
+        return stage_dump(
+            self.staging / staged_name,
+            meta,
+            blocks,
+            Identity.RESPONSE,
+            expect_layers=expect.layers,
+            expect_hidden=expect.hidden_size,
+            expect_dtype=expect.dtype,
+        )
 
 
 def exact(values: np.ndarray, dtype: str) -> np.ndarray:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from hsx.backends.capture import Capture, CaptureProblem, describe_model
-from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, validate, write_dump
+from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, stage_dump
 from hsx.backends.extract import Expectation
 from hsx.backends.http import BackendRejected, HttpBackend
 from hsx.dtypes import DTYPES_BY_CODE, HIDDEN_STATE_DTYPES
@@ -159,17 +158,17 @@ class VLLMExtractor:
             "cached_tokens": 0,  # vLLM keeps the rows of cached prefixes: the file has every row
             "input_ids_sha256": ids_sha256(input_ids),
         }
-        try:
-            # vLLM interleaves the layers row by row: one contiguous block per layer.
-            write_dump(dest, meta, [np.ascontiguousarray(rows[:, j, :]) for j in range(rows.shape[1])])
-            dump = validate(
-                dest, meta, expect_layers=expect.layers, expect_hidden=expect.hidden_size, expect_dtype=expect.dtype
-            )
-            dump.identity = Identity.IDS
-            return dump
-        except BaseException:
-            shutil.rmtree(dest, ignore_errors=True)
-            raise
+        # vLLM interleaves the layers row by row: one contiguous block per layer.
+        blocks = [np.ascontiguousarray(rows[:, j, :]) for j in range(rows.shape[1])]
+        return stage_dump(
+            dest,
+            meta,
+            blocks,
+            Identity.IDS,
+            expect_layers=expect.layers,
+            expect_hidden=expect.hidden_size,
+            expect_dtype=expect.dtype,
+        )
 
 
 def lock_path(path: Path) -> Path:
