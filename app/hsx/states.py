@@ -18,6 +18,9 @@ class JobState(_StrEnum):
     RUNNING = "running"
     CANCELLING = "cancelling"
     SUCCEEDED = "succeeded"
+    # Finished with some samples stored and some failed: not "failed", which says nothing was stored
+    # (or the job could not run at all).
+    PARTIAL = "partial"
     FAILED = "failed"
     CANCELLED = "cancelled"
 
@@ -27,14 +30,21 @@ class JobState(_StrEnum):
 
 
 class SampleState(_StrEnum):
+    # A conversation waiting to be rendered into token ids (and regenerated, when the job asks), by
+    # a writer's preparer, before it can be queued for extraction.
+    PREPARING = "preparing"
     QUEUED = "queued"
     RUNNING = "running"
     STAGED = "staged"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    # Left out by the job's policy (too long, invalid): never extracted; last_error says why.
+    SKIPPED = "skipped"
 
 
 ACTIVE_JOB_STATES = frozenset({JobState.QUEUED, JobState.RUNNING, JobState.CANCELLING})
-TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
-TERMINAL_SAMPLE_STATES = frozenset({SampleState.SUCCEEDED, SampleState.FAILED, SampleState.CANCELLED})
+TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.PARTIAL, JobState.FAILED, JobState.CANCELLED})
+TERMINAL_SAMPLE_STATES = frozenset(
+    {SampleState.SUCCEEDED, SampleState.FAILED, SampleState.CANCELLED, SampleState.SKIPPED}
+)

@@ -99,7 +99,19 @@ JOB_CREATE_SCHEMA: JsonDict = {
 }
 
 
+# What a conversation sample may carry besides its turns: other keys of a dataset's records (a source,
+# a score) are ignored rather than refused, so that ShareGPT and UltraChat files load as they are.
+_CONVERSATION_KEYS = frozenset({"id", "messages", "conversations", "input_ids", "loss_mask"})
+MESSAGES_DESCRIPTION = (
+    "a conversation, OpenAI style: [{role: system|user|assistant, content: text}...]; rendered into input_ids "
+    "and a loss mask with the model's own chat template before extraction (see the job's `loss` and `tokenizer`)"
+)
+CONVERSATIONS_DESCRIPTION = "a conversation, ShareGPT style: [{from: system|human|gpt, value: text}...]; as `messages`"
+
+
 class SampleIn(BaseModel):
+    """One sample: token ids (with an optional loss mask), or a conversation to render."""
+
     model_config = ConfigDict(extra="forbid")
 
     id: SampleId | None = Field(
@@ -107,8 +119,8 @@ class SampleIn(BaseModel):
         description=f"unique within the job; default: the sample's index. A string of 1 to {MAX_LENGTH} characters "
         "without control characters, or a 64-bit integer (stored as its decimal text)",
     )
-    input_ids: IntList = Field(
-        ...,
+    input_ids: IntList | None = Field(
+        None,
         description="prompt token ids, at least one, each below the model's vocabulary size",
         json_schema_extra=TOKEN_IDS_SCHEMA,
     )
@@ -117,15 +129,100 @@ class SampleIn(BaseModel):
         description="0/1 per token, as many as input_ids; default all 1",
         json_schema_extra=LOSS_MASK_SCHEMA,
     )
+    messages: list[dict[str, Any]] | None = Field(None, description=MESSAGES_DESCRIPTION)
+    conversations: list[dict[str, Any]] | None = Field(None, description=CONVERSATIONS_DESCRIPTION)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dataset_record(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("messages" in data or "conversations" in data):
+            return {k: v for k, v in data.items() if k in _CONVERSATION_KEYS}
+        return data
+
+    @model_validator(mode="after")
+    def _one_form(self) -> SampleIn:
+        given = [f for f in ("input_ids", "messages", "conversations") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of input_ids, messages or conversations")
+        if self.loss_mask is not None and self.input_ids is None:
+            raise ValueError("loss_mask goes with input_ids; a conversation's mask comes from the job's `loss`")
+        return self
+
+    @property
+    def conversation(self) -> list[dict[str, Any]] | None:
+        """The turns as given, in whichever of the two styles."""
+        return self.messages if self.messages is not None else self.conversations
 
 
-class JobCreate(BaseModel):
+LengthPolicy = Literal["truncate", "skip", "reject"]
+InvalidPolicy = Literal["reject", "skip"]
+LossPolicy = Literal["assistant", "all", "last_assistant"]
+MAX_NEW_TOKENS = 32768
+
+
+class RegenerateOptions(BaseModel):
+    """Regenerate every assistant turn with the model server before extraction."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(..., ge=1, le=MAX_NEW_TOKENS, description="the longest answer generated per turn")
+    temperature: float = Field(default=0.0, ge=0, le=10, description="0: greedy")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = Field(
+        default=None, ge=0, le=2**63 - 1, description="sampling seed, for answers that can be redone"
+    )
+    concurrency: int = Field(default=8, ge=1, le=256, description="generation requests in flight per writer")
+
+
+class JobOptions(BaseModel):
+    """How a job's samples become what is extracted: its length and invalid-sample policies, and
+    how conversation samples are rendered (and regenerated)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_length: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**31 - 1,
+        description="the most tokens a sample may have (the model server's limit applies too)",
+    )
+    length_policy: LengthPolicy = Field(
+        default="reject",
+        description="a sample over max_length (or the server's limit): truncate (keep its first tokens), skip (not "
+        "extracted, counted as skipped with the reason) or reject (the whole request is refused; a conversation, "
+        "whose length is known only once rendered, fails instead)",
+    )
+    on_invalid: InvalidPolicy = Field(
+        default="reject",
+        description="an invalid sample (a bad line, token id or conversation): reject the whole request, or skip it "
+        "(counted as skipped with the reason)",
+    )
+    loss: LossPolicy = Field(
+        default="assistant",
+        description="a conversation's loss mask: 1 on what the assistant produces (each turn's content and "
+        "end-of-turn token), on its last turn only, or on all tokens",
+    )
+    tokenizer: Annotated[str, Field(max_length=MAX_INPUT_PATH)] | None = Field(
+        default=None,
+        description="a local folder with the tokenizer and chat template that render conversations, readable where "
+        "the writers run; default: the model path the model server reports",
+    )
+    regenerate: RegenerateOptions | None = Field(
+        default=None, description="replace every assistant turn with the model's own answer before extraction"
+    )
+
+    def is_default(self) -> bool:
+        return self == JobOptions()
+
+
+class JobCreate(JobOptions):
     model_config = ConfigDict(extra="forbid", json_schema_extra=JOB_CREATE_SCHEMA)
 
     name: Name | None = Field(None, description=f"at most {MAX_LENGTH} characters, without control characters")
     samples: list[SampleIn] | None = Field(None, description="the samples, inline")
     input_path: InputPath | None = Field(
-        None, description="a JSONL file (one sample object per line) relative to the service's input root"
+        None,
+        description="a JSONL or Parquet file (one sample per line or row) relative to the service's input root",
     )
     layers: list[StrictInt] | None = Field(
         None,
@@ -148,16 +245,18 @@ class JobCreate(BaseModel):
 
 class Counts(BaseModel):
     total: int
+    preparing: int = Field(0, description="conversations waiting to be rendered (and regenerated)")
     queued: int
     running: int
     staged: int = Field(description="validated and waiting for their shard to be written")
     succeeded: int
     failed: int
     cancelled: int
+    skipped: int = Field(0, description="left out by the job's length or invalid-sample policy, with the reason")
 
 
 class Tokens(BaseModel):
-    total: int
+    total: int = Field(description="tokens to extract (conversations count once rendered)")
     done: int = Field(description="in written shards")
     staged: int = Field(description="validated, waiting for their shard")
 
@@ -175,7 +274,10 @@ class JobOut(BaseModel):
         description="when it was cancelled: it stays `cancelling` while its queued samples are cancelled in the "
         "background and those in flight are stored"
     )
-    finished_at: datetime | None = Field(description="when it reached succeeded, failed or cancelled")
+    finished_at: datetime | None = Field(
+        description="when it reached succeeded (every sample not skipped is stored), partial (some stored, some "
+        "failed), failed (none stored, or the job could not run) or cancelled"
+    )
     counts: Counts
     tokens: Tokens
     rate_tokens_per_s: float | None
@@ -189,6 +291,9 @@ class JobOut(BaseModel):
     disk_warning: str | None = Field(description="set when the output volume looked too small at creation")
     layers: list[int] | None
     model: dict[str, Any] | None
+    options: JobOptions = Field(
+        default_factory=lambda: JobOptions.model_validate({}), description="its length, invalid and rendering policies"
+    )
     manifest_url: str
 
 
@@ -224,6 +329,9 @@ class SampleOut(BaseModel):
     shard: str | None
     offset: int | None
     attempt_log: list[AttemptOut] | None = None
+    messages: list[dict[str, Any]] | None = Field(
+        None, description="a conversation sample's turns as rendered (regenerated ones included); single-sample view"
+    )
 
 
 class SamplePage(BaseModel):

@@ -88,12 +88,14 @@ def test_a_created_job_is_202_with_its_location_and_stored_queued(api, settings)
     assert (job["object"], job["name"], job["state"], job["layers"]) == ("job", "demo", "queued", None)
     assert job["counts"] == {
         "total": 2,
+        "preparing": 0,
         "queued": 2,
         "running": 0,
         "staged": 0,
         "succeeded": 0,
         "failed": 0,
         "cancelled": 0,
+        "skipped": 0,
     }
     assert job["tokens"] == {"total": 5, "done": 0, "staged": 0}
     assert job["manifest_url"] == f"/v1/jobs/{job['id']}/manifest"

@@ -23,7 +23,7 @@ from hsx.api.deps import (
     WriterDep,
 )
 from hsx.api.downloads import FileDownload, none_match, wanted_ranges
-from hsx.api.params import JobCursor, JobId, NameQuery, SampleCursor, SampleIdPath, ShardName
+from hsx.api.params import JobCursor, JobId, NameQuery, OptionsQuery, SampleCursor, SampleIdPath, ShardName
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
 from hsx.extraction import Writer
 from hsx.layers import check_layers, parse_layers
@@ -102,7 +102,9 @@ CREATED_HEADERS = {"headers": {"Location": {"description": "the job's URL", "sch
     summary="Create an extraction job",
     description="Samples inline (`samples`), from a JSONL file under the service's input root "
     "(`input_path`), or streamed as an `application/x-ndjson` body (one sample per line; "
-    "then `name` and `layers` come from the query string). All samples are checked before "
+    "then `name`, `layers` and the job's options come from the query string). A sample is token ids "
+    "(`input_ids`, optional `loss_mask`) or a conversation (`messages` or ShareGPT `conversations`), which a "
+    "writer renders with the model's chat template before extraction. All samples are checked before "
     "anything is stored. With an `Idempotency-Key` header, repeating the same request "
     "returns the first job; the same key with another body is a 422.",
 )
@@ -116,6 +118,7 @@ async def create_job(
     writer: WriterDep,
     name: NameQuery = None,
     layers: Annotated[str | None, Query(description="comma-separated layers (NDJSON bodies only)")] = None,
+    options: OptionsQuery,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobOut:
     media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
@@ -132,6 +135,7 @@ async def create_job(
                 layers=_layer_list(layers),
                 idempotency_key=idempotency_key,
                 body=body.chunks(),
+                options=options,
             )
         else:
             job = await run_in_threadpool(

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Path, Query
+from fastapi import Depends, Path, Query
+from pydantic import ValidationError
 
 from hsx.names import MAX_LENGTH, PATTERN, PlainText
+from hsx.service.errors import InvalidInput
+from hsx.wire import InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
 
 
 def _in_path(description: str) -> Any:
@@ -36,3 +39,50 @@ SampleCursor = Annotated[
     PlainText | None, _in_query("sample id the previous page ended with (one of this job's; else a 422)")
 ]
 NameQuery = Annotated[PlainText | None, _in_query("job name (NDJSON bodies only)")]
+
+
+def ndjson_options(
+    *,
+    max_length: Annotated[int | None, Query(ge=1, description="the most tokens a sample may have")] = None,
+    length_policy: Annotated[
+        LengthPolicy, Query(description="a sample over max_length: truncate, skip or reject (see JobCreate)")
+    ] = "reject",
+    on_invalid: Annotated[
+        InvalidPolicy, Query(description="an invalid sample: reject the request, or skip it")
+    ] = "reject",
+    loss: Annotated[LossPolicy, Query(description="a conversation's loss mask (see JobCreate)")] = "assistant",
+    tokenizer: Annotated[str | None, Query(max_length=4096, description="tokenizer folder for conversations")] = None,
+    regenerate_max_new_tokens: Annotated[
+        int | None, Query(description="regenerate every assistant turn, at most this many tokens each")
+    ] = None,
+    regenerate_temperature: Annotated[float, Query()] = 0.0,
+    regenerate_top_p: Annotated[float, Query()] = 1.0,
+    regenerate_seed: Annotated[int | None, Query()] = None,
+    regenerate_concurrency: Annotated[int, Query()] = 8,
+) -> JobOptions:
+    """An NDJSON body's job options, from the query string: the fields of JobCreate (NDJSON bodies only;
+    `regenerate` flattened as regenerate_<field>)."""
+    regenerate = None
+    if regenerate_max_new_tokens is not None:
+        regenerate = {
+            "max_new_tokens": regenerate_max_new_tokens,
+            "temperature": regenerate_temperature,
+            "top_p": regenerate_top_p,
+            "seed": regenerate_seed,
+            "concurrency": regenerate_concurrency,
+        }
+    fields = {
+        "max_length": max_length,
+        "length_policy": length_policy,
+        "on_invalid": on_invalid,
+        "loss": loss,
+        "tokenizer": tokenizer,
+        "regenerate": regenerate,
+    }
+    try:
+        return JobOptions.model_validate(fields)
+    except ValidationError as exc:
+        raise InvalidInput.from_pydantic(exc.errors()) from None
+
+
+OptionsQuery = Annotated[JobOptions, Depends(ndjson_options)]

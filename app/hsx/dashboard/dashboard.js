@@ -5,8 +5,8 @@ import { api, download, events, jobPath, token } from "./api.js";
 import * as fmt from "./format.js";
 import { throughputPlot } from "./plot.js";
 
-const JOB_STATES = ["queued", "running", "cancelling", "succeeded", "failed", "cancelled"];
-const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+const JOB_STATES = ["queued", "running", "cancelling", "succeeded", "partial", "failed", "cancelled"];
+const TERMINAL = new Set(["succeeded", "partial", "failed", "cancelled"]);
 const JOBS_PAGE = 20;
 const SAMPLES_PAGE = 20;
 
@@ -195,13 +195,15 @@ function route() {
 
 function progress(job) {
   const c = job.counts;
-  const finished = c.succeeded + c.failed + c.cancelled;
+  const finished = c.succeeded + c.failed + c.cancelled + c.skipped;
   const pct = fmt.percent(finished, c.total);
   const part = (n, kind) =>
     n > 0 && h("span", { class: `seg seg-${kind}`, style: { width: `${(100 * n) / c.total}%` } });
   const text =
     `${fmt.count(finished)} of ${fmt.count(c.total)} samples finished` +
-    (c.failed ? `, ${fmt.count(c.failed)} failed` : "");
+    (c.failed ? `, ${fmt.count(c.failed)} failed` : "") +
+    (c.skipped ? `, ${fmt.count(c.skipped)} skipped` : "") +
+    (c.preparing ? `, ${fmt.count(c.preparing)} conversations to render` : "");
   return h(
     "div",
     { class: "progress" },
@@ -218,7 +220,7 @@ function progress(job) {
       },
       part(c.succeeded, "ok"),
       part(c.failed, "failed"),
-      part(c.cancelled, "cancelled"),
+      part(c.cancelled + c.skipped, "cancelled"),
       part(c.staged + c.running, "busy"),
     ),
     h("span", { class: "pct" }, `${pct}%`),

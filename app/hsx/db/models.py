@@ -57,6 +57,9 @@ class JobRow(Base):
     # captured with, and the model its first stored sample came from. NULL: any worker.
     layers_key: Mapped[str | None] = mapped_column(String(2000))
     model_key: Mapped[str | None] = mapped_column(String(32))
+    # How its conversations become token ids and which samples it leaves out (hsx.wire.JobOptions:
+    # max_length, length_policy, on_invalid, loss, tokenizer, regenerate); NULL: the defaults.
+    options: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # Bytes its shards will take (tokens x (layers x hidden x dtype size + ids and mask)); NULL: unknown.
     estimated_bytes: Mapped[int | None] = mapped_column(BigInteger)
     disk_warning: Mapped[str | None] = mapped_column(Text)
@@ -65,12 +68,14 @@ class JobRow(Base):
     tokens_done: Mapped[int] = mapped_column(BigInteger, default=0)  # in written shards
     tokens_staged: Mapped[int] = mapped_column(BigInteger, default=0)  # validated, shard not yet written
     # Per-state counters kept in step with every sample transition, so progress never counts rows.
+    n_preparing: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     n_queued: Mapped[int] = mapped_column(Integer, default=0)
     n_running: Mapped[int] = mapped_column(Integer, default=0)
     n_staged: Mapped[int] = mapped_column(Integer, default=0)
     n_succeeded: Mapped[int] = mapped_column(Integer, default=0)
     n_failed: Mapped[int] = mapped_column(Integer, default=0)
     n_cancelled: Mapped[int] = mapped_column(Integer, default=0)
+    n_skipped: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     shards_written: Mapped[int] = mapped_column(Integer, default=0)
 
     __table_args__ = (Index("ix_jobs_state", "state"),)
@@ -84,10 +89,14 @@ class SampleRow(Base):
     idx: Mapped[int] = mapped_column(Integer)
     sample_id: Mapped[str] = mapped_column(String(200))
     state: Mapped[str] = mapped_column(String(16), default=SampleState.QUEUED)
-    # Token ids as little-endian int32 bytes; loss mask as one byte per token (NULL: all ones).
+    # Token ids as little-endian int32 bytes; loss mask as one byte per token (NULL: all ones). A
+    # conversation's are empty until it is prepared.
     input_ids: Mapped[bytes] = mapped_column(LargeBinary)
     loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)
     num_tokens: Mapped[int] = mapped_column(Integer)
+    # A conversation sample's messages as JSON ([{"role", "content"}...]); after regeneration, the
+    # regenerated ones. NULL for samples given as token ids.
+    conversation: Mapped[str | None] = mapped_column(Text)
     observed_tokens: Mapped[int | None] = mapped_column(Integer)
     identity: Mapped[str | None] = mapped_column(String(16))  # what proved its dump its own (hsx.identity)
     # attempts: the retry budget spent; tries: every claim, including ones an outage interrupted.

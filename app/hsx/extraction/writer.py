@@ -11,6 +11,8 @@ Whatever breaks, a sample ends stored with its own tensors or failed with a reas
 - the database down: every state change after an extraction is retried until it lands (the
   staged dump waits on disk meanwhile), and a crash in between is recovered at the next start
   (database, and start_thread here);
+- a conversation that cannot be rendered or regenerated: it is skipped or failed with the reason
+  (preparer), by the job's policy;
 - the output disk full: no new sample is claimed; staged samples wait and the shard is
   written again once there is room (flusher, finishing).
 """
@@ -38,6 +40,7 @@ from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.flusher import ShardFlusher
 from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
+from hsx.extraction.preparer import Preparer
 from hsx.extraction.request_loop import RequestLoop
 from hsx.extraction.server_watch import ServerWatch
 from hsx.extraction.status import StatusReport, WriterStatus
@@ -96,6 +99,14 @@ class Writer:
             stop=self._stop,
             lease=self.lease,
         )
+        self._preparer = Preparer(
+            settings=settings,
+            identity=self.identity,
+            db=self._db,
+            server=server,
+            finisher=finisher,
+            queued=self._requests.notify_work,
+        )
 
     def acquire(self) -> None:
         """Lock the dump root; raises DumpRootBusy when another process holds it."""
@@ -118,6 +129,7 @@ class Writer:
             for i in range(self.settings.flushers)
         ]
         self._threads.append(threading.Thread(target=self._heartbeats, name="hsx-heartbeat", daemon=True))
+        self._threads.append(threading.Thread(target=self._prepare, name="hsx-preparer", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -159,6 +171,18 @@ class Writer:
                 self.lease.take_over_expired()
             except Exception:
                 log.exception("heartbeat failed")
+
+    def _prepare(self) -> None:
+        """Render (and regenerate) conversations ahead of the request loops; see hsx.extraction.preparer."""
+        while not self._stop.is_set():
+            try:
+                self._preparer.run(self._stop)
+            except repo.LeaseLost as exc:
+                self.lease.lost(exc.epoch, exc)
+
+    def prepare_step(self) -> bool:
+        """One preparer turn (tests drive it directly); whether a batch was prepared."""
+        return self._preparer.step()
 
     def _stats(self) -> dict[str, float]:
         return {

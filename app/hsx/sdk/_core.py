@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Generic, TypeVar, cast
@@ -31,6 +31,7 @@ from hsx.sdk.models import (
 )
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.atomic import atomic_file, fsync_path
+from hsx.wire import JobOptions
 
 if TYPE_CHECKING:
     import torch
@@ -124,6 +125,7 @@ class Calls:
         name: str | None,
         layers: list[int] | None,
         idempotency_key: str | None,
+        options: Options = None,
     ) -> Call[Job]:
         body = drop_none(
             {
@@ -131,17 +133,26 @@ class Calls:
                 "input_path": None if input_path is None else str(input_path),
                 "name": name,
                 "layers": layers,
+                **job_options(options),
             }
         )
         return Call("POST", "/v1/jobs", Job, json=body, headers=idem(idempotency_key))
 
     @staticmethod
-    def submit_jsonl(name: str | None, layers: list[int] | str | None, idempotency_key: str | None) -> Call[Job]:
+    def submit_jsonl(
+        name: str | None, layers: list[int] | str | None, idempotency_key: str | None, options: Options = None
+    ) -> Call[Job]:
+        params = drop_none({"name": name, "layers": layers_param(layers)})
+        for key, value in job_options(options).items():
+            if key == "regenerate":  # flattened in the query string
+                params.update({f"regenerate_{k}": v for k, v in value.items()})
+            else:
+                params[key] = value
         return Call(
             "POST",
             "/v1/jobs",
             Job,
-            params=drop_none({"name": name, "layers": layers_param(layers)}),
+            params=params,
             headers={"Content-Type": "application/x-ndjson", **(idem(idempotency_key) or {})},
         )
 
@@ -480,3 +491,15 @@ def check_shard_name(name: str) -> None:
                 "detail": f"refusing to write a shard named {name!r}",
             },
         )
+
+
+Options = JobOptions | Mapping[str, Any] | None
+
+
+def job_options(options: Options) -> dict[str, Any]:
+    """A job's options as the request carries them: checked here first (JobOptions), only those that
+    differ from the defaults."""
+    if options is None:
+        return {}
+    checked = options if isinstance(options, JobOptions) else JobOptions.model_validate(dict(options))
+    return checked.model_dump(mode="json", exclude_defaults=True)

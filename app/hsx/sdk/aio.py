@@ -20,6 +20,7 @@ from hsx.sdk._core import (
     JobBytes,
     JobDownload,
     JobRef,
+    Options,
     Poll,
     Report,
     ShardDownload,
@@ -98,8 +99,9 @@ class AsyncHsxClient:
         name: str | None = None,
         layers: list[int] | None = None,
         idempotency_key: str | None = None,
+        options: Options = None,
     ) -> Job:
-        return await self._send(Calls.create_job(samples, input_path, name, layers, idempotency_key))
+        return await self._send(Calls.create_job(samples, input_path, name, layers, idempotency_key, options))
 
     async def submit_jsonl(
         self,
@@ -110,8 +112,9 @@ class AsyncHsxClient:
         idempotency_key: str | None = None,
         chunk_size: int = 1 << 16,
         progress: BytesSent | None = None,
+        options: Options = None,
     ) -> Job:
-        call = Calls.submit_jsonl(name, layers, idempotency_key)
+        call = Calls.submit_jsonl(name, layers, idempotency_key, options)
         if isinstance(source, (str, os.PathLike)):
             with open(source, "rb") as f:
                 return await self._send(call, content=_achunks(f, chunk_size, progress))

@@ -20,6 +20,7 @@ from hsx.sdk._core import (
     JobBytes,
     JobDownload,
     JobRef,
+    Options,
     Poll,
     Report,
     ShardDownload,
@@ -96,11 +97,14 @@ class HsxClient:
         name: str | None = None,
         layers: list[int] | None = None,
         idempotency_key: str | None = None,
+        options: Options = None,
     ) -> Job:
-        """Create a job from inline samples ({"id"?, "input_ids", "loss_mask"?}) or from a JSONL file under the
-        service's input root (`input_path`). Repeating a request with the same `idempotency_key` returns the
-        first job."""
-        return self._send(Calls.create_job(samples, input_path, name, layers, idempotency_key))
+        """Create a job from inline samples ({"id"?, "input_ids", "loss_mask"?}, or a conversation: {"id"?,
+        "messages": [...]} / ShareGPT {"id"?, "conversations": [...]}) or from a JSONL or Parquet file under the
+        service's input root (`input_path`). `options`: the job's max_length, length_policy, on_invalid, loss,
+        tokenizer and regenerate (hsx.wire.JobOptions, or a dict of them). Repeating a request with the same
+        `idempotency_key` returns the first job."""
+        return self._send(Calls.create_job(samples, input_path, name, layers, idempotency_key, options))
 
     def submit_jsonl(
         self,
@@ -111,11 +115,12 @@ class HsxClient:
         idempotency_key: str | None = None,
         chunk_size: int = 1 << 16,
         progress: BytesSent | None = None,
+        options: Options = None,
     ) -> Job:
         """Create a job from a local JSONL file (a path or a binary file object), streamed as
         application/x-ndjson in chunks: the file is never read whole. `progress(bytes_sent)` is called after each
         chunk."""
-        call = Calls.submit_jsonl(name, layers, idempotency_key)
+        call = Calls.submit_jsonl(name, layers, idempotency_key, options)
         if isinstance(source, (str, os.PathLike)):
             with open(source, "rb") as f:
                 return self._send(call, content=file_chunks(f, chunk_size, progress))

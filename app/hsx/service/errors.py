@@ -17,13 +17,16 @@ class FieldError(_Field, total=False):
 
     sample_index: int
     line: int
+    row: int
     sample_id: str
 
 
 class Where(TypedDict, total=False):
-    """Where a sample came from besides its index: its line in a JSONL body or file."""
+    """Where a sample came from besides its index: its line in a JSONL body or file, its row in a
+    Parquet file."""
 
     line: int
+    row: int
 
 
 class ServiceError(Exception):

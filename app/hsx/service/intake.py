@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +22,7 @@ import numpy as np
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
+from hsx.chat.formats import ConversationError, conversation_of
 from hsx.db.locks import hold_disk_budget
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
@@ -28,7 +31,8 @@ from hsx.names import shown
 from hsx.service.errors import FieldError, InsufficientStorage, InvalidInput, OutsideInputRoot, Where
 from hsx.service.lines import LineSplitter, LineTooLongError
 from hsx.service.spool import SampleSpool
-from hsx.wire import MAX_TOKEN_ID, SampleIn, parse_body
+from hsx.states import SampleState
+from hsx.wire import MAX_TOKEN_ID, JobOptions, SampleIn, parse_body
 
 if TYPE_CHECKING:
     from _hashlib import HASH
@@ -59,21 +63,29 @@ class Limits:
 
 
 class Ingest:
-    """Check samples one by one and spool the good ones; nothing touches the database until `store`."""
+    """Check samples one by one and spool the good ones; nothing touches the database until `store`.
 
-    def __init__(self, limits: Limits):
+    The job's options decide what a sample that breaks a rule costs: the whole request (reject, the
+    default), or only that sample, stored as skipped with the reason (skip; a too-long one may also be
+    truncated)."""
+
+    def __init__(self, limits: Limits, options: JobOptions | None = None):
         self.limits = limits
+        self.options = options or JobOptions()
         self.errors: list[FieldError] = []
         self.count = 0
         self.spool = SampleSpool()
         # 8-byte keyed digests of the ids seen: duplicate detection without holding every id string.
         # The key is per process, so ids cannot be chosen to collide and force the slow check.
         self.seen: set[bytes] = set()
+        lengths = [n for n in (self.options.max_length, limits.max_tokens) if n is not None]
+        self.max_tokens = min(lengths) if lengths else None
+        self.too_long = False  # whether the sample being checked is over the limit under `reject`
 
     def feed(self, index: int, item: SampleIn | list[FieldError], where: Where) -> None:
         self.count += 1
         if isinstance(item, list):  # parse errors, already shaped as error entries
-            self.errors.extend(item)
+            self._invalid(index, None, item)
         else:
             row = self._check(index, item, where)
             if row is not None and not self.errors:
@@ -100,14 +112,81 @@ class Ingest:
         # A digest seen before: compare the real ids.
         return self.spool.has_sample_id(sid)
 
+    def _invalid(self, index: int, sid: str | None, errors: list[FieldError]) -> None:
+        """A sample that breaks a rule: the request's errors, or a skipped sample that says why."""
+        if self.options.on_invalid == "reject":
+            self.errors.extend(errors)
+            return
+        reason = "invalid: " + "; ".join(f"{e.get('field', 'sample')}: {e['message']}" for e in errors)
+        if sid is None or self._is_duplicate(sid):
+            sid = self._free_id(f"invalid-{index}")
+        if not self.errors:
+            self.spool.add(NewSample(sid, b"", None, 0, SampleState.SKIPPED, reason=reason))
+
+    def _free_id(self, sid: str) -> str:
+        """`sid`, or with ~ appended until no sample of the request has it."""
+        while self._is_duplicate(sid):
+            sid += "~"
+        return sid
+
     def _check(self, index: int, sample: SampleIn, where: Where) -> NewSample | None:
         sid = sample.id if sample.id is not None else str(index)
-        bad = len(self.errors)
+        errors: list[FieldError] = []
 
         def err(field: str, message: str) -> None:
-            self.errors.append({"sample_index": index, **where, "sample_id": sid, "field": field, "message": message})
+            errors.append({"sample_index": index, **where, "sample_id": sid, "field": field, "message": message})
 
-        ids = sample.input_ids
+        self.too_long = False
+        if sample.input_ids is None:
+            row = self._conversation(sid, sample, err)
+        else:
+            row = self._tokens(sid, sample.input_ids, sample.loss_mask, err)
+        duplicate = self._is_duplicate(sid)
+        if duplicate:
+            err("id", f"duplicate sample id {sid!r}")
+        if self.too_long:
+            self.errors.extend(errors)
+        elif errors:
+            self._invalid(index, None if duplicate else sid, errors)
+        return None if errors else row
+
+    def _conversation(self, sid: str, sample: SampleIn, err: Callable[[str, str], None]) -> NewSample | None:
+        field = "messages" if sample.messages is not None else "conversations"
+        try:
+            turns = conversation_of({field: sample.conversation})
+        except ConversationError as exc:
+            err(exc.field, exc.message)
+            return None
+        return NewSample(sid, b"", None, 0, SampleState.PREPARING, conversation=json.dumps(turns))
+
+    def _tokens(
+        self, sid: str, ids: list[int], mask: list[int] | None, err: Callable[[str, str], None]
+    ) -> NewSample | None:
+        if self.options.regenerate is not None:
+            err("input_ids", "a job that regenerates answers takes conversations (messages), not token ids")
+            return None
+        arrays = self._arrays(ids, mask, err)
+        if arrays is None:
+            return None
+        id_array, mask_array = arrays
+        limit = self.max_tokens
+        if limit is not None and len(ids) > limit:
+            policy = self.options.length_policy
+            if policy == "skip":
+                return NewSample(sid, b"", None, 0, SampleState.SKIPPED, reason=f"too_long: {self._too_long(len(ids))}")
+            if policy == "reject":
+                self.too_long = True  # refused whatever on_invalid says: length has its own policy
+                err("input_ids", self._too_long(len(ids)))
+                return None
+            id_array = id_array[:limit]
+            mask_array = None if mask_array is None else mask_array[:limit]
+        packed_mask = None if mask_array is None or mask_array.all() else mask_array.tobytes()
+        return NewSample(sid, id_array.tobytes(), packed_mask, len(id_array))
+
+    def _arrays(
+        self, ids: list[int], mask: list[int] | None, err: Callable[[str, str], None]
+    ) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The ids (int32) and mask (uint8) when both are valid; else None, with the errors said."""
         vocab = self.limits.vocab_size or MAX_TOKEN_ID + 1
         id_array = _in_range(ids, 0, vocab, "<i4")
         if not ids:
@@ -115,21 +194,24 @@ class Ingest:
         elif id_array is None:
             pos = next(i for i, t in enumerate(ids) if t < 0 or t >= vocab)
             err(f"input_ids.{pos}", f"token id {ids[pos]} is outside [0, {vocab}) of the model's vocabulary")
-        if self.limits.max_tokens is not None and len(ids) > self.limits.max_tokens:
-            err("input_ids", f"{len(ids)} tokens exceed the model server's limit of {self.limits.max_tokens}")
-        mask = sample.loss_mask
         mask_array = None if mask is None else _in_range(mask, 0, 2, np.uint8)
         if mask is not None:
             if len(mask) != len(ids):
                 err("loss_mask", f"has {len(mask)} values, input_ids has {len(ids)}")
-            elif mask_array is None:
+                return None
+            if mask_array is None:
                 err("loss_mask", "values must be 0 or 1")
-        if self._is_duplicate(sid):
-            err("id", f"duplicate sample id {sid!r}")
-        if len(self.errors) > bad or id_array is None:
+        if id_array is None or not ids or (mask is not None and mask_array is None):
             return None
-        packed_mask = None if mask_array is None or mask_array.all() else mask_array.tobytes()
-        return NewSample(sid, id_array.tobytes(), packed_mask, len(ids))
+        return id_array, mask_array
+
+    def _too_long(self, n: int) -> str:
+        which = (
+            "max_length"
+            if self.options.max_length is not None and self.max_tokens == self.options.max_length
+            else "the model server's limit"
+        )
+        return f"{n} tokens exceed {which} of {self.max_tokens}"
 
 
 # Up to this many values, the builtins' min and max cost less than numpy's per-call overhead.
@@ -187,19 +269,14 @@ def parse_sample(index: int, text: bytes | bytearray, where: Where) -> tuple[int
     try:
         return index, parse_body(SampleIn, text, strict=True), where
     except ValidationError as exc:
-        return (
-            index,
-            [
-                {
-                    "sample_index": index,
-                    **where,
-                    "field": ".".join(str(p) for p in e["loc"]) or "sample",
-                    "message": e["msg"],
-                }
-                for e in exc.errors()
-            ],
-            {},
-        )
+        return index, _field_errors(index, where, exc), {}
+
+
+def _field_errors(index: int, where: Where, exc: ValidationError) -> list[FieldError]:
+    return [
+        {"sample_index": index, **where, "field": ".".join(str(p) for p in e["loc"]) or "sample", "message": e["msg"]}
+        for e in exc.errors()
+    ]
 
 
 class JsonlReader:
@@ -230,7 +307,11 @@ class JsonlReader:
 
 
 def ingest_file(ingest: Ingest, path: Path, max_line: int, relative: str) -> None:
-    """A JSONL file under the input root (`relative`, as the request named it), read a block at a time."""
+    """A JSONL or Parquet file under the input root (`relative`, as the request named it), read a block
+    at a time."""
+    if path.suffix.lower() == ".parquet":
+        ingest_parquet(ingest, path, relative)
+        return
     reader = JsonlReader(ingest, max_line)
     try:
         f = open(path, "rb")  # noqa: SIM115 - opened apart from the `with` below: only its OSError is unreadable
@@ -246,6 +327,38 @@ def ingest_file(ingest: Ingest, path: Path, max_line: int, relative: str) -> Non
         raise InvalidInput([{"line": exc.lineno, "field": "input_path", "message": message}]) from None
 
 
+PARQUET_ROWS = 1024  # rows read at a time: a file of any size holds one batch in memory
+
+
+def ingest_parquet(ingest: Ingest, path: Path, relative: str) -> None:
+    """A Parquet file, one sample a row (columns as a JSONL line's keys; null is absent), streamed a
+    batch of rows at a time. Needs pyarrow (hsx-server[parquet])."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        message = "reading Parquet needs pyarrow on the service: pip install 'hsx-server[parquet]'"
+        raise InvalidInput([{"field": "input_path", "message": message}]) from None
+    try:
+        source = pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise _unreadable(relative, f"not a Parquet file ({exc})") from None
+    index = 0
+    with source:
+        for batch in source.iter_batches(batch_size=PARQUET_ROWS):
+            for record in batch.to_pylist():
+                row = {k: v for k, v in record.items() if v is not None}
+                ingest.feed(*parse_record(index, row, {"row": index}))
+                index += 1
+
+
+def parse_record(index: int, record: dict[str, object], where: Where) -> tuple[int, SampleIn | list[FieldError], Where]:
+    """One sample from an already parsed record (a Parquet row), as parse_sample from JSON text."""
+    try:
+        return index, SampleIn.model_validate(record, strict=True), where
+    except ValidationError as exc:
+        return index, _field_errors(index, where, exc), {}
+
+
 def store(
     session: Session,
     spool: SampleSpool,
@@ -256,13 +369,20 @@ def store(
     idempotency_key: str | None,
     request_sha256: str,
     disk: DiskCheck | None,
+    options: JobOptions | None = None,
 ) -> JobRow:
     """Insert the job and its checked, spooled samples in the caller's transaction."""
     builder = JobBuilder(
-        session, name=name, layers=layers, idempotency_key=idempotency_key, request_sha256=request_sha256
+        session,
+        name=name,
+        layers=layers,
+        idempotency_key=idempotency_key,
+        request_sha256=request_sha256,
+        options=None if options is None or options.is_default() else options.model_dump(exclude_defaults=True),
     )
     per_token = limits.bytes_per_token(layers)
-    if per_token is not None:
+    # A conversation's tokens are known once it is rendered: such a job's size is unknown now.
+    if per_token is not None and not spool.preparing:
         estimated = per_token * spool.tokens
         # Checked before this job's estimate is set: the volume's other commitments, then this job.
         warning = disk.check(session, estimated, job_id=builder.job.id) if disk is not None else None

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow, ShardRow
+from hsx.extraction.finishing import finish_job
 from hsx.manifest import MANIFEST_NAME, Manifest, build_manifest, job_dir
 from hsx.names import shown
 from hsx.service import intake, json_body
@@ -32,6 +33,7 @@ from hsx.service.errors import (
 from hsx.service.lines import LineTooLongError
 from hsx.states import TERMINAL_JOB_STATES, JobState
 from hsx.verify import verify_job as verify_folder
+from hsx.wire import JobOptions
 
 # A streamed body goes to the worker thread in blocks of about this many bytes.
 FEED_BYTES = 1024 * 1024
@@ -71,7 +73,8 @@ def create_job(
         if existing is not None:
             return _replayed(existing, digest.hexdigest())
     limits = backend.limits()
-    ingest = intake.Ingest(limits)
+    options = JobOptions.model_validate(request.model_dump(include=set(JobOptions.model_fields)))
+    ingest = intake.Ingest(limits, options)
     try:
         if request.input_path is not None:
             path = intake.resolve_input_path(settings.input_root, request.input_path)
@@ -108,12 +111,14 @@ async def create_job_from_ndjson(
     layers: list[int] | None,
     idempotency_key: str | None,
     body: AsyncIterable[bytes],
+    options: JobOptions | None = None,
 ) -> JobRow:
     """A job from an application/x-ndjson body, one sample per line, checked as it streams.
 
     The event loop only receives the body: lines are cut, parsed, checked and spooled on a worker
     thread, a block of chunks at a time, and the samples are stored once the body has ended."""
-    digest = hashlib.sha256(json.dumps(["ndjson", name, layers]).encode())
+    options = options or JobOptions()
+    digest = hashlib.sha256(json.dumps(["ndjson", name, layers, options.model_dump(mode="json")]).encode())
     if idempotency_key:
         existing = await run_sync(_job_with_key, sessions, idempotency_key)
         if existing is not None:
@@ -121,7 +126,7 @@ async def create_job_from_ndjson(
                 digest.update(chunk)
             return _replayed(existing, digest.hexdigest())
     limits = await run_sync(backend.limits)
-    ingest = intake.Ingest(limits)
+    ingest = intake.Ingest(limits, options)
     try:
         reader = intake.JsonlReader(ingest, settings.max_sample_bytes, digest)
         try:
@@ -174,7 +179,7 @@ def _store(
     spool = ingest.finish()
     try:
         with sessions.begin() as session:
-            return intake.store(
+            job = intake.store(
                 session,
                 spool,
                 ingest.limits,
@@ -183,12 +188,25 @@ def _store(
                 idempotency_key=idempotency_key,
                 request_sha256=request_sha256,
                 disk=_disk_check(settings),
+                options=ingest.options,
             )
     except IntegrityError:
         existing = _job_with_key(sessions, idempotency_key) if idempotency_key else None
         if existing is None:
             raise
         return _replayed(existing, request_sha256)
+    if not (job.n_queued or job.n_preparing):
+        return _end_at_once(sessions, settings, job.id)
+    return job
+
+
+def _end_at_once(sessions: sessionmaker[Session], settings: Settings, job_id: str) -> JobRow:
+    """A job whose every sample was skipped has nothing for a writer to claim, so no writer would
+    ever end it: it ends here (failed, saying why), with its manifest as every finished job."""
+    with sessions.begin() as session:
+        finish_job(session, job_id, Path(settings.output_root))
+    with sessions() as session:
+        return get_job(session=session, job_id=job_id)
 
 
 def cancel_job(*, session: Session, job_id: str) -> JobRow:

@@ -17,12 +17,15 @@ import tempfile
 from collections.abc import Generator, Iterator
 
 from hsx.db.repository import NewSample
+from hsx.states import SampleState
 
 MEMORY_BYTES = 8 * 1024 * 1024
 WRITE_BYTES = 256 * 1024
-# sample id bytes, tokens, whether a loss mask follows (one byte per token); then the id and the
-# int32 input ids.
-_HEADER = struct.Struct("<IIB")
+# sample id bytes, tokens, whether a loss mask follows (one byte per token), the state's index in
+# _STATES, conversation bytes, reason bytes; then the id, the int32 input ids, the mask, the
+# conversation's JSON and the reason.
+_HEADER = struct.Struct("<IIBBII")
+_STATES = (SampleState.QUEUED, SampleState.PREPARING, SampleState.SKIPPED)
 
 
 class SampleSpool:
@@ -31,20 +34,29 @@ class SampleSpool:
         self._pending = bytearray()  # records not yet written: one write per WRITE_BYTES, not three a sample
         self.count = 0
         self.tokens = 0
+        self.preparing = 0  # conversations, whose tokens are counted once they are rendered
 
     def add(self, sample: NewSample) -> None:
         sid = sample.sample_id.encode()
         mask = sample.loss_mask
+        conversation = (sample.conversation or "").encode()
+        reason = (sample.reason or "").encode()
         pending = self._pending
-        pending += _HEADER.pack(len(sid), sample.num_tokens, mask is not None)
+        pending += _HEADER.pack(
+            len(sid), sample.num_tokens, mask is not None, _STATES.index(sample.state), len(conversation), len(reason)
+        )
         pending += sid
         pending += sample.input_ids
         if mask is not None:
             pending += mask
+        pending += conversation
+        pending += reason
         if len(pending) >= WRITE_BYTES:
             self._write()
         self.count += 1
-        self.tokens += sample.num_tokens
+        if sample.state == SampleState.QUEUED:
+            self.tokens += sample.num_tokens
+        self.preparing += sample.state == SampleState.PREPARING
 
     def batches(self, size: int) -> Iterator[list[NewSample]]:
         """Every sample, in the order added, `size` at a time."""
@@ -79,14 +91,18 @@ class SampleSpool:
         f.seek(0)
         try:
             while f.tell() < end:
-                sid_len, tokens, has_mask = _HEADER.unpack(f.read(_HEADER.size))
+                sid_len, tokens, has_mask, state, conv_len, reason_len = _HEADER.unpack(f.read(_HEADER.size))
                 sid = f.read(sid_len).decode()
-                data_len = tokens * 4 + (tokens if has_mask else 0)
+                ids_len = tokens * 4 if _STATES[state] == SampleState.QUEUED else 0
+                data_len = ids_len + (tokens if has_mask else 0) + conv_len + reason_len
                 if not with_data:
                     f.seek(data_len, 1)
-                    yield NewSample(sid, b"", None, tokens)
+                    yield NewSample(sid, b"", None, tokens, _STATES[state])
                     continue
-                ids = f.read(tokens * 4)
-                yield NewSample(sid, ids, f.read(tokens) if has_mask else None, tokens)
+                ids = f.read(ids_len)
+                mask = f.read(tokens) if has_mask else None
+                conversation = f.read(conv_len).decode() if conv_len else None
+                reason = f.read(reason_len).decode() if reason_len else None
+                yield NewSample(sid, ids, mask, tokens, _STATES[state], conversation, reason)
         finally:
             f.seek(end)

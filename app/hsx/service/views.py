@@ -3,6 +3,7 @@ shards, throughput, writers."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
@@ -12,6 +13,7 @@ from hsx.states import JobState
 from hsx.wire import (
     AttemptOut,
     Counts,
+    JobOptions,
     JobOut,
     SampleOut,
     ShardOut,
@@ -39,7 +41,7 @@ def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
             elif job.state != JobState.CANCELLING:  # what is left of a cancelled job is not extracted
                 eta = (job.tokens_total - extracted) / rate
     # Only a job with samples left to extract can be kept waiting by the writer.
-    extracting = job.state in (JobState.QUEUED, JobState.RUNNING) and (job.n_queued or job.n_running)
+    extracting = job.state in (JobState.QUEUED, JobState.RUNNING) and (job.n_preparing or job.n_queued or job.n_running)
     return JobOut(
         id=job.id,
         name=job.name,
@@ -52,12 +54,14 @@ def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
         finished_at=utc(job.finished_at),
         counts=Counts(
             total=job.num_samples,
+            preparing=job.n_preparing,
             queued=job.n_queued,
             running=job.n_running,
             staged=job.n_staged,
             succeeded=job.n_succeeded,
             failed=job.n_failed,
             cancelled=job.n_cancelled,
+            skipped=job.n_skipped,
         ),
         tokens=Tokens(total=job.tokens_total, done=job.tokens_done, staged=job.tokens_staged),
         rate_tokens_per_s=rate,
@@ -67,12 +71,14 @@ def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
         disk_warning=job.disk_warning,
         layers=job.layers,
         model=job.model_info,
+        options=JobOptions.model_validate(job.options or {}),
         manifest_url=f"/v1/jobs/{job.id}/manifest",
     )
 
 
 def sample_out(s: SampleRow, attempts: Sequence[AttemptRow] | None = None) -> SampleOut:
-    """A sample; with `attempts`, every attempt and its outcome too."""
+    """A sample; with `attempts` (the single-sample view), every attempt and its outcome, and a
+    conversation's turns, too."""
     log = None
     if attempts is not None:
         log = [
@@ -100,6 +106,7 @@ def sample_out(s: SampleRow, attempts: Sequence[AttemptRow] | None = None) -> Sa
         shard=s.shard,
         offset=s.shard_offset,
         attempt_log=log,
+        messages=json.loads(s.conversation) if attempts is not None and s.conversation else None,
     )
 
 

@@ -131,7 +131,10 @@ def progress_line(job: Job, width: int = 30) -> str:
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] {job.state:<9} "
         f"{c.succeeded + c.staged}/{c.total} samples  {extracted}/{t.total} tokens  {rate}  "
-        f"ETA {duration(job.eta_s)}  failed {c.failed}" + (f"  cancelled {c.cancelled}" if c.cancelled else "")
+        f"ETA {duration(job.eta_s)}  failed {c.failed}"
+        + (f"  cancelled {c.cancelled}" if c.cancelled else "")
+        + (f"  preparing {c.preparing}" if c.preparing else "")
+        + (f"  skipped {c.skipped}" if c.skipped else "")
     )
 
 
@@ -177,16 +180,26 @@ def follow(hsx: HsxClient, job: Job | str, *, as_json: bool, interval: float = 1
         progress.close()
 
 
+# `hsx submit --wait` and `hsx wait`: what the job's end says, as an exit status.
+EXIT_FAILED = 1  # failed (nothing stored, or the job could not run) or cancelled
+EXIT_PARTIAL = 3  # finished with some samples stored and some failed
+
+
 def outcome(job: Job, *, as_json: bool) -> int:
-    """After following a job: a hint about failures on stderr, and exit 0 only when it succeeded."""
+    """After following a job: a hint about failures on stderr; exit 0 when it succeeded, EXIT_PARTIAL
+    when some samples failed, EXIT_FAILED otherwise."""
     if job.state != JobState.SUCCEEDED and not as_json:
         why = f" ({job.error})" if job.error else ""
+        stored = f"{job.counts.succeeded} of {job.counts.total} stored, " if job.state == JobState.PARTIAL else ""
         print(
-            f"job {job.id} {job.state}{why}; {job.counts.failed} failed, {job.counts.cancelled} cancelled"
+            f"job {job.id} {job.state}{why}; {stored}{job.counts.failed} failed, {job.counts.cancelled} cancelled"
+            + (f", {job.counts.skipped} skipped" if job.counts.skipped else "")
             + (f"; see: hsx samples {job.id} --state failed" if job.counts.failed else ""),
             file=sys.stderr,
         )
-    return 0 if job.state == JobState.SUCCEEDED else 1
+    if job.state == JobState.SUCCEEDED:
+        return 0
+    return EXIT_PARTIAL if job.state == JobState.PARTIAL else EXIT_FAILED
 
 
 def when(dt: datetime | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:

@@ -24,9 +24,10 @@ NAME = "status"
 HELP = "show a job's progress (bar, rate, ETA); --watch follows it until it finishes"
 DESCRIPTION = f"""Show a job's state and progress: samples and tokens extracted, rate, ETA, failures.
 
-On a terminal, --watch redraws one progress line in place until the job is succeeded, failed or cancelled
-(exit 0 only if it succeeded); when the output is not a terminal it prints a plain line whenever the progress
-changes. With --json the job is printed as JSON (with --watch: one JSON line per change, the last one final).
+On a terminal, --watch redraws one progress line in place until the job is succeeded, partial, failed or
+cancelled (exit 0 when it succeeded, 3 when partial: some samples failed, 1 otherwise); when the output
+is not a terminal it prints a plain line whenever the progress changes. With --json the job is printed as
+JSON (with --watch: one JSON line per change, the last one final).
 {ENV_NOTE}
 
 examples:

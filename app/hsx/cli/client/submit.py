@@ -8,9 +8,12 @@ import stat
 import sys
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from pydantic import ValidationError
+
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, add_quiet, follow, outcome, print_json, run
 from hsx.cli.progress import PROGRESS_NOTE, progress
 from hsx.layers import layers_arg
+from hsx.wire import JobOptions
 
 if TYPE_CHECKING:
     from hsx.sdk import HsxClient, Job
@@ -19,16 +22,26 @@ NAME = "submit"
 HELP = "create a job from a JSONL file (streamed) or a file under the service's input root"
 DESCRIPTION = f"""Create an extraction job.
 
-FILE is a local JSONL file with one sample per line, {{"id": ..., "input_ids": [...], "loss_mask": [...]}}
-(id and loss_mask optional). It is streamed to the service as application/x-ndjson, never read whole;
-"-" reads standard input. With --input-path the service reads a JSONL file under its own input root
-instead. Every sample is checked before anything is stored: a refused job lists each bad line on stderr
-and exits 2. With --wait the job's progress is followed until it finishes (exit 0 only if it succeeded).
+FILE is a local JSONL file with one sample per line: token ids, {{"id": ..., "input_ids": [...],
+"loss_mask": [...]}} (id and loss_mask optional), or a conversation, {{"id": ..., "messages": [{{"role": ...,
+"content": ...}}, ...]}} or ShareGPT's {{"id": ..., "conversations": [{{"from": ..., "value": ...}}, ...]}}.
+Conversations are rendered with the model's own chat template (--tokenizer, default: the model path the
+server reports), with a loss mask on what the assistant says (--loss), before extraction; with
+--regenerate N every assistant turn is first generated again by the model (at most N tokens).
+FILE is streamed to the service as application/x-ndjson, never read whole; "-" reads standard input.
+With --input-path the service reads a JSONL or Parquet file under its own input root instead.
+Every sample is checked before anything is stored: a refused job lists each bad line on stderr and
+exits 2. --max-length with --length-policy truncate or skip, and --on-invalid skip, keep a few bad
+samples from refusing the whole file: they are counted as skipped, each with its reason.
+With --wait the job's progress is followed until it finishes: exit 0 when it succeeded (every sample
+not skipped is stored), 3 when it is partial (some samples failed: see hsx samples JOB --state failed),
+1 when it failed (nothing stored) or was cancelled.
 The upload of FILE shows its progress in bytes. {PROGRESS_NOTE}
 {ENV_NOTE}
 
 examples:
   hsx submit samples.jsonl --name run1 --wait
+  hsx submit conversations.jsonl --name chat1 --max-length 2048 --length-policy truncate --wait
   hsx submit --input-path run1.jsonl --layers 2,4,5,8 --idempotency-key run1 --json
 """
 
@@ -41,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layers", type=layers_arg, help="layers the job requires, e.g. 2,4,5,8 (default: the server's)"
     )
     parser.add_argument("--idempotency-key", help="repeating a submission with the same key returns the first job")
+    add_policy_arguments(parser)
     parser.add_argument("--wait", action="store_true", help="follow the job's progress until it finishes")
     parser.add_argument(
         "--interval",
@@ -50,6 +64,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_quiet(parser)
     add_common(parser)
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The job's options (hsx.wire.JobOptions) as flags."""
+    group = parser.add_argument_group("samples and conversations")
+    group.add_argument("--max-length", type=int, metavar="N", help="the most tokens a sample may have")
+    group.add_argument(
+        "--length-policy",
+        choices=["truncate", "skip", "reject"],
+        default="reject",
+        help="a sample over --max-length (or the server's limit): keep its first N tokens, skip it, or refuse the "
+        "whole job (default: %(default)s)",
+    )
+    group.add_argument(
+        "--on-invalid",
+        choices=["reject", "skip"],
+        default="reject",
+        help="an invalid line or sample: refuse the whole job, or skip it (default: %(default)s)",
+    )
+    group.add_argument(
+        "--loss",
+        choices=["assistant", "all", "last_assistant"],
+        default="assistant",
+        help="a conversation's loss mask: what the assistant says, its last turn only, or every token "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--tokenizer", metavar="DIR", help="tokenizer folder on the writers' hosts (default: the model's)"
+    )
+    group.add_argument("--regenerate", type=int, metavar="N", help="regenerate every assistant turn, at most N tokens")
+    group.add_argument(
+        "--temperature", type=float, default=0.0, help="with --regenerate (default: %(default)s, greedy)"
+    )
+    group.add_argument("--top-p", type=float, default=1.0, help="with --regenerate (default: %(default)s)")
+    group.add_argument("--seed", type=int, help="with --regenerate: the sampling seed")
+
+
+def job_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "max_length": args.max_length,
+        "length_policy": args.length_policy,
+        "on_invalid": args.on_invalid,
+        "loss": args.loss,
+        "tokenizer": args.tokenizer,
+    }
+    if args.regenerate is not None:
+        options["regenerate"] = {
+            "max_new_tokens": args.regenerate,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "seed": args.seed,
+        }
+    return options
 
 
 def _open_jsonl(path: str) -> BinaryIO:
@@ -74,11 +141,25 @@ def _upload(hsx: HsxClient, source: BinaryIO, args: argparse.Namespace, options:
         return hsx.submit_jsonl(source, progress=meter.moveto, **options)
 
 
+def _checked(options: dict[str, Any]) -> JobOptions:
+    """The options as the service will check them: a bad value is a usage error here, before any upload."""
+    try:
+        return JobOptions.model_validate(options)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise UsageError(problems) from None
+
+
 def main(args: argparse.Namespace) -> int:
     def body(hsx: HsxClient) -> int:
         if (args.file is None) == (args.input_path is None):
             raise UsageError("give exactly one of FILE or --input-path")
-        options = {"name": args.name, "layers": args.layers, "idempotency_key": args.idempotency_key}
+        options = {
+            "name": args.name,
+            "layers": args.layers,
+            "idempotency_key": args.idempotency_key,
+            "options": _checked(job_options(args)),
+        }
         if args.input_path is not None:
             job = hsx.create_job(input_path=args.input_path, **options)
         elif args.file == "-":
@@ -89,6 +170,8 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:
             print(
                 f"{job.id} {job.state}: {job.counts.total} samples, {job.tokens.total} tokens"
+                + (f", {job.counts.preparing} conversations to render" if job.counts.preparing else "")
+                + (f", {job.counts.skipped} skipped" if job.counts.skipped else "")
                 + (f" ({job.name})" if job.name else ""),
                 flush=True,
             )

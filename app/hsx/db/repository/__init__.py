@@ -34,6 +34,14 @@ from hsx.db.repository.jobs import (
     set_job_model_info,
 )
 from hsx.db.repository.output_root import record_output_root, recorded_output_root
+from hsx.db.repository.preparing import (
+    Prepared,
+    ToPrepare,
+    claim_preparing,
+    jobs_to_prepare,
+    release_preparing,
+    store_prepared,
+)
 from hsx.db.repository.reads import (
     get_job,
     get_sample,
@@ -82,13 +90,16 @@ __all__ = [
     "JobBuilder",
     "LeaseLost",
     "NewSample",
+    "Prepared",
     "ThroughputPoint",
+    "ToPrepare",
     "all_writers",
     "cancel_job",
     "cancel_queued",
     "cancelling_jobs",
     "check_lease",
     "claim_next",
+    "claim_preparing",
     "commit_shard",
     "create_job",
     "delete_job",
@@ -104,6 +115,7 @@ __all__ = [
     "job_shards",
     "job_throughput",
     "jobs_by_state",
+    "jobs_to_prepare",
     "list_jobs",
     "list_samples",
     "live_writers",
@@ -119,6 +131,7 @@ __all__ = [
     "register_writer",
     "reject_staged",
     "release_interrupted",
+    "release_preparing",
     "renew_lease",
     "report_writer_stopped",
     "requeue_staged",
@@ -129,6 +142,7 @@ __all__ = [
     "samples_by_state",
     "set_job_model_info",
     "staged_samples",
+    "store_prepared",
     "utcnow",
     "waiting",
 ]

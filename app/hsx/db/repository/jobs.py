@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,9 +30,13 @@ def new_job_id() -> str:
 @dataclass(frozen=True)
 class NewSample:
     sample_id: str
-    input_ids: bytes  # little-endian int32
+    input_ids: bytes  # little-endian int32; empty for a conversation to prepare or a skipped sample
     loss_mask: bytes | None  # one byte per token; None means all ones
     num_tokens: int
+    # queued (token ids), preparing (a conversation, rendered later) or skipped (why: `reason`)
+    state: SampleState = SampleState.QUEUED
+    conversation: str | None = None  # the turns as JSON
+    reason: str | None = None
 
 
 _SAMPLE_INSERT_COLUMNS = (
@@ -42,6 +47,8 @@ _SAMPLE_INSERT_COLUMNS = (
     "input_ids",
     "loss_mask",
     "num_tokens",
+    "conversation",
+    "last_error",
     "attempts",
     "tries",
     "updated_at",
@@ -63,6 +70,7 @@ class JobBuilder:
         layers: list[int] | None,
         idempotency_key: str | None = None,
         request_sha256: str | None = None,
+        options: dict[str, Any] | None = None,
     ):
         self.session = session
         self.job = JobRow(
@@ -72,24 +80,28 @@ class JobBuilder:
             created_at=utcnow(),
             layers=layers,
             layers_key=layers_key(layers),
+            options=options or None,
             idempotency_key=idempotency_key,
             request_sha256=request_sha256,
             num_samples=0,
             tokens_total=0,
             tokens_done=0,
             tokens_staged=0,
+            n_preparing=0,
             n_queued=0,
             n_running=0,
             n_staged=0,
             n_succeeded=0,
             n_failed=0,
             n_cancelled=0,
+            n_skipped=0,
             shards_written=0,
         )
         session.add(self.job)
         session.flush()
         self.count = 0
         self.tokens = 0
+        self.states: Counter[SampleState] = Counter()
 
     def add(self, samples: list[NewSample]) -> None:
         if not samples:
@@ -102,7 +114,20 @@ class JobBuilder:
         now = updated_at(self.job.created_at) if updated_at else self.job.created_at
         job_id, first = self.job.id, self.count
         rows = [
-            (job_id, first + i, s.sample_id, SampleState.QUEUED, s.input_ids, s.loss_mask, s.num_tokens, 0, 0, now)
+            (
+                job_id,
+                first + i,
+                s.sample_id,
+                s.state,
+                s.input_ids,
+                s.loss_mask,
+                s.num_tokens,
+                s.conversation,
+                s.reason,
+                0,
+                0,
+                now,
+            )
             for i, s in enumerate(samples)
         ]
         columns = ", ".join(_SAMPLE_INSERT_COLUMNS)
@@ -116,10 +141,14 @@ class JobBuilder:
             marks = ", ".join("?" * len(_SAMPLE_INSERT_COLUMNS))
             conn.exec_driver_sql(f"INSERT INTO samples ({columns}) VALUES ({marks})", rows)
         self.count += len(samples)
-        self.tokens += sum(s.num_tokens for s in samples)
+        self.tokens += sum(s.num_tokens for s in samples if s.state == SampleState.QUEUED)
+        self.states.update(s.state for s in samples)
 
     def finish(self) -> JobRow:
-        self.job.num_samples = self.job.n_queued = self.count
+        self.job.num_samples = self.count
+        self.job.n_queued = self.states[SampleState.QUEUED]
+        self.job.n_preparing = self.states[SampleState.PREPARING]
+        self.job.n_skipped = self.states[SampleState.SKIPPED]
         self.job.tokens_total = self.tokens
         self.session.flush()
         return self.job
@@ -174,7 +203,13 @@ def cancel_queued(session: Session, job_id: str, limit: int) -> int:
     many. Each call cancels what is still queued under the job-row lock, so calls from several
     processes at once only take turns, and one repeated after a crash does no harm."""
     job = _lock_job(session, job_id)
-    if job is None or job.state != JobState.CANCELLING or not job.n_queued:
+    if job is None or job.state != JobState.CANCELLING:
+        return 0
+    if job.n_preparing:
+        # Conversations not yet prepared are cancelled at once (a preparer's claim included: what it
+        # stores afterwards finds them gone); they hold no tokens to count.
+        return _transition(session, job_id, ALL, SampleState.PREPARING, SampleState.CANCELLED, {"writer": None})
+    if not job.n_queued:
         return 0
     # The index on (job_id, state, idx) finds the batch's last sample without reading the rows;
     # fewer than `limit` left: all of them.
@@ -195,7 +230,17 @@ def retry_failed(session: Session, job_id: str) -> int | None:
     job = _lock_job(session, job_id)
     if job is None or job.state in (JobState.CANCELLING, JobState.CANCELLED) or job.n_failed == 0:
         return None
-    moved = _transition(session, job_id, ALL, SampleState.FAILED, SampleState.QUEUED, {"attempts": 0, "writer": None})
+    # Conversations that failed before they had token ids (their generation, say) are prepared again.
+    unprepared = list(
+        session.execute(
+            select(SampleRow.pk).where(
+                SampleRow.job_id == job_id, SampleRow.state == SampleState.FAILED, SampleRow.num_tokens == 0
+            )
+        ).scalars()
+    )
+    fresh = {"attempts": 0, "writer": None, "last_error": None}
+    moved = _transition(session, job_id, unprepared, SampleState.FAILED, SampleState.PREPARING, fresh)
+    moved += _transition(session, job_id, ALL, SampleState.FAILED, SampleState.QUEUED, {"attempts": 0, "writer": None})
     session.execute(
         update(JobRow)
         .where(JobRow.id == job_id)
@@ -240,37 +285,52 @@ def set_job_model_info(session: Session, job_id: str, info: dict[str, Any], serv
 
 
 def final_state(job: JobRow) -> JobState | None:
-    """The state a job ends in once nothing is queued, running or staged; None before that."""
-    if job.state not in ACTIVE_JOB_STATES or job.n_queued or job.n_running or job.n_staged:
+    """The state a job ends in once nothing is preparing, queued, running or staged; None before that.
+    succeeded: every sample not skipped is stored; partial: some stored, some failed; failed: none
+    stored (all failed or skipped)."""
+    if job.state not in ACTIVE_JOB_STATES or job.n_preparing or job.n_queued or job.n_running or job.n_staged:
         return None
     if job.state == JobState.CANCELLING:
         return JobState.CANCELLED
-    return JobState.FAILED if job.n_failed else JobState.SUCCEEDED
+    if not job.n_succeeded:
+        return JobState.FAILED
+    return JobState.PARTIAL if job.n_failed else JobState.SUCCEEDED
+
+
+def _nothing_stored(job: JobRow) -> str | None:
+    """Why a job that ends failed stored nothing, when no sample failure says it."""
+    if job.n_failed or job.error:
+        return job.error
+    return f"no sample to extract: all {job.num_samples} were skipped (see each sample's reason)"
 
 
 def finish_job_if_done(session: Session, job_id: str) -> bool:
-    """Move a job to its terminal state (final_state's rule) once no sample is queued, running or staged."""
+    """Move a job to its terminal state (final_state's rule) once no sample is preparing, queued, running or staged."""
     job = _lock_job(session, job_id)
     if job is None:
         return False
     state = final_state(job)
     if state is None:
         return False
+    error = _nothing_stored(job) if state == JobState.FAILED else job.error
     result = session.execute(
         update(JobRow)
         .where(
             JobRow.id == job_id,
             JobRow.state == job.state,
+            JobRow.n_preparing == 0,
             JobRow.n_queued == 0,
             JobRow.n_running == 0,
             JobRow.n_staged == 0,
         )
-        .values(state=state, finished_at=utcnow())
+        .values(state=state, finished_at=utcnow(), error=error)
     )
     return _rowcount(result) == 1
 
 
 def fail_job(session: Session, job_id: str, reason: str) -> None:
-    """A job that cannot run at all (e.g. server settings that break dumps): fail what is queued."""
+    """A job that cannot run at all (e.g. server settings that break dumps, a tokenizer that cannot be
+    loaded): fail what is queued or waiting to be prepared."""
     session.execute(update(JobRow).where(JobRow.id == job_id).values(error=reason))
-    _transition(session, job_id, ALL, SampleState.QUEUED, SampleState.FAILED, {"last_error": reason})
+    for state in (SampleState.PREPARING, SampleState.QUEUED):
+        _transition(session, job_id, ALL, state, SampleState.FAILED, {"last_error": reason, "writer": None})

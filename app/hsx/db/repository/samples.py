@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from hsx.db.models import AttemptRow, SampleRow
 from hsx.db.repository._base import PKS_PER_QUERY, _attempts, _dialect, _jobs, _now_param, _samples, utcnow
+from hsx.db.repository.preparing import release_preparing
 from hsx.db.repository.throughput import _count_throughput
 from hsx.db.repository.transitions import _requeue_state, _transition
 from hsx.matching import Serves
@@ -284,7 +285,9 @@ def recover_writer(
     why: str = "service stopped during the attempt",
 ) -> tuple[int, int]:
     """At writer start: its running samples were interrupted by a crash; staged ones keep their
-    place only if their staged files survived. Returns (requeued, kept staged)."""
+    place only if their staged files survived; conversations it was preparing go back to be
+    claimed by any preparer. Returns (requeued, kept staged)."""
+    release_preparing(session, writer)
     requeued = kept = 0
     running = session.execute(
         select(SampleRow.pk, SampleRow.job_id).where(_writer_or_slots(writer), SampleRow.state == SampleState.RUNNING)
