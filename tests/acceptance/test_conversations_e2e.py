@@ -21,7 +21,26 @@ from tests.support.chat import LLAMA3, apply_chat_template_ids, save_chat_tokeni
 from tests.support.procs import hsx_command
 from tests.support.stack import VOCAB, Recompute, make_checkpoint, start_reference, start_service
 
-WORDS = "answer one two three question hello there how are you the quick brown fox what is a model".split()
+WORDS = [
+    "answer",
+    "one",
+    "two",
+    "three",
+    "question",
+    "hello",
+    "there",
+    "how",
+    "are",
+    "you",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "what",
+    "is",
+    "a",
+    "model",
+]
 MAX_LENGTH = 96
 
 
@@ -57,10 +76,9 @@ def hsx_cli(url: str, *argv: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(hsx_command() + [str(a) for a in argv], capture_output=True, text=True, env=env, timeout=900)
 
 
-def expected_mask(tokenizer, messages: list[dict], ids: list[int]) -> str:
+def expected_mask(messages: list[dict]) -> str:
     """What the mask must select, independently of hsx: each assistant answer as the template trims it,
     followed by its end-of-turn token."""
-    del ids
     return "".join(m["content"].strip() + "<|eot_id|>" for m in messages if m["role"] == "assistant")
 
 
@@ -113,7 +131,7 @@ def test_a_sharegpt_file_becomes_a_finished_job_with_the_templates_ids_and_masks
             truncated += len(full) > MAX_LENGTH
             if len(full) <= MAX_LENGTH:
                 kept = [t for t, m in zip(ids, mask) if m]
-                assert tokenizer.decode(kept) == expected_mask(tokenizer, messages, ids), conversation["id"]
+                assert tokenizer.decode(kept) == expected_mask(messages), conversation["id"]
             if i % 100 == 0:  # the tensors are the model's for exactly these ids
                 truth = recompute(ids)
                 for layer in manifest.layers or []:
