@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from hsx.exports import export_job
 from hsx.manifest import load_manifest, read_sample
 from tests.support.chat import LLAMA3, apply_chat_template_ids, save_chat_tokenizer
 from tests.support.procs import hsx_command
@@ -140,6 +141,14 @@ def test_a_sharegpt_file_becomes_a_finished_job_with_the_templates_ids_and_masks
         assert job["tokens"]["total"] == sum(s.num_tokens for s in manifest.samples)
         detail = svc.get(f"/v1/jobs/{job['id']}/samples/c1").json()
         assert detail["messages"] == as_messages(conversations[1]["conversations"])
+        # SpecForge's offline files carry the template's ids and the assistant mask as its trainer reads them
+        export_job("specforge", job_dir, tmp_path / "sf")
+        for ckpt in sorted((tmp_path / "sf").rglob("data_*.ckpt"))[:50]:
+            data = torch.load(ckpt, weights_only=True)
+            index = int(ckpt.stem.split("_")[1])
+            stored = read_sample(job_dir, manifest, conversations[index]["id"])
+            assert data["input_ids"].tolist() == stored["input_ids"].tolist()
+            assert data["loss_mask"].tolist() == stored["loss_mask"].tolist()
     finally:
         svc.stop()
         ref.stop()
