@@ -390,7 +390,7 @@ def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
     response_class=Response,
     responses=_problems(404, 409),
     summary="Delete a finished job's records, and with delete_files=true its shards and manifest",
-    description="Only a finished (`succeeded`, `failed` or `cancelled`) job: a 409 while it is `queued`, "
+    description="Only a finished (`succeeded`, `partial`, `failed` or `cancelled`) job: a 409 while it is `queued`, "
     "`running` or `cancelling`.",
 )
 def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:

@@ -165,7 +165,7 @@ class HsxClient:
         max_poll_s: float = 5.0,
         on_progress: Callable[[Job], None] | None = None,
     ) -> Job:
-        """Poll until the job is succeeded, failed or cancelled, backing off from `poll_s` to `max_poll_s`;
+        """Poll until the job is succeeded, partial, failed or cancelled, backing off from `poll_s` to `max_poll_s`;
         call `on_progress(job)` after each poll. Polls through the service or its database restarting (503,
         connection errors). Returns the final job; TimeoutError after `timeout` s."""
         poll = Poll(job, timeout, poll_s, max_poll_s, on_progress)

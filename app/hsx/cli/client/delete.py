@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 NAME = "delete"
 HELP = "delete a finished job (and with --files its shards and manifest)"
-DESCRIPTION = f"""Delete a finished (succeeded, failed or cancelled) job's records from the service's database.
+DESCRIPTION = f"""Delete a finished (succeeded, partial, failed or cancelled) job's records from the service's database.
 With --files the service also deletes the job's shards and manifest.json from its output root. A queued or
 running job must be cancelled first (exit 2). --json prints {{"deleted": JOB, "files": true|false}}.
 {ENV_NOTE}
