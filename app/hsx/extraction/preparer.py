@@ -27,6 +27,7 @@ from hsx.db import repository as repo
 from hsx.extraction.database import Database
 from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.server_watch import ServerWatch
+from hsx.matching import Serves
 from hsx.states import SampleState
 from hsx.wire import JobOptions
 
@@ -69,11 +70,15 @@ class Preparer:
 
     def step(self) -> bool:
         """Prepare one batch of the oldest job with conversations left; whether there was one."""
-        for job_id, raw in self.db.run(repo.jobs_to_prepare):
+        self.server.ensure()  # what model the server runs: whose template, which jobs
+        model_key = Serves.of(self.server.layers, self.server.model_info).model
+        for job_id, raw in self.db.run(lambda s: repo.jobs_to_prepare(s, model_key)):
             options = JobOptions.model_validate(raw or {})
             template = self._template(job_id, options)
             if template is None:
                 continue
+            if options.tokenizer is None:  # rendered for this worker's model: the job is that model's
+                self.db.run(lambda s, j=job_id: repo.pin_job_model(s, j, model_key))  # type: ignore[misc]
             batch = self.db.run(lambda s, j=job_id: repo.claim_preparing(s, j, self.identity, BATCH))  # type: ignore[misc]
             if not batch:
                 continue
@@ -107,7 +112,6 @@ class Preparer:
         return template
 
     def _model_path(self) -> str | None:
-        self.server.ensure()
         path = self.server.model_info.get("model_path")
         return str(path) if path else None
 

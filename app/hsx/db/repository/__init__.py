@@ -39,6 +39,7 @@ from hsx.db.repository.preparing import (
     ToPrepare,
     claim_preparing,
     jobs_to_prepare,
+    pin_job_model,
     release_preparing,
     store_prepared,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "mark_staged",
     "new_job_id",
     "pending_output_bytes",
+    "pin_job_model",
     "ping",
     "queued_left",
     "record_failed_attempt",

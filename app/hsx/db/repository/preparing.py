@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import JobRow, SampleRow
@@ -40,14 +40,27 @@ class Prepared:
     reason: str | None = None
 
 
-def jobs_to_prepare(session: Session) -> list[tuple[str, dict[str, Any] | None]]:
-    """(id, options) of the active jobs with conversations left to prepare, oldest first."""
-    rows = session.execute(
+def jobs_to_prepare(session: Session, model_key: str | None) -> list[tuple[str, dict[str, Any] | None]]:
+    """(id, options) of the active jobs with conversations left to prepare, oldest first: those a
+    worker of model `model_key` may run (of no model yet, or of that one; hsx.matching)."""
+    q = (
         select(JobRow.id, JobRow.options)
         .where(JobRow.state.in_((JobState.QUEUED, JobState.RUNNING)), JobRow.n_preparing > 0)
         .order_by(JobRow.id)
-    ).all()
-    return [(job_id, options) for job_id, options in rows]
+    )
+    if model_key is not None:
+        q = q.where(or_(JobRow.model_key.is_(None), JobRow.model_key == model_key))
+    return [(job_id, options) for job_id, options in session.execute(q).all()]
+
+
+def pin_job_model(session: Session, job_id: str, model_key: str | None) -> None:
+    """A job whose conversations are rendered with its model's own template is that model's from now
+    on: only workers of that model prepare or extract it (the key extraction would set anyway, set
+    before any sample of it is extracted)."""
+    if model_key is not None:
+        session.execute(
+            update(JobRow).where(JobRow.id == job_id, JobRow.model_key.is_(None)).values(model_key=model_key)
+        )
 
 
 def claim_preparing(session: Session, job_id: str, writer: str, limit: int) -> list[ToPrepare]:
