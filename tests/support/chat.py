@@ -62,19 +62,24 @@ _TEXT = (
 WORDS = tuple(_TEXT.split())
 
 
-def corpus(lines: int = 400, seed: int = 0) -> list[str]:
-    """Made-up text: the words above and random syllables, for the BPE trainer to learn merges from."""
+def made_up_words(n: int, seed: int = 0) -> list[str]:
+    """The words above and n words of one to three random syllables."""
     rng = random.Random(seed)
     syllables = [a + b for a in "bcdfghklmnprstvz" for b in "aeiou"]
-    made_up = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(300)]
-    pool = list(WORDS) + made_up
+    return list(WORDS) + ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(n)]
+
+
+def corpus(lines: int = 400, seed: int = 0, words: int = 300) -> list[str]:
+    """Made-up text, for the BPE trainer to learn merges from."""
+    rng = random.Random(seed)
+    pool = made_up_words(words, seed)
     return [
         " ".join(rng.choice(pool) for _ in range(rng.randint(5, 30))) + rng.choice([".", "?", "!\n"])
         for _ in range(lines)
     ]
 
 
-def train_tokenizer(vocab_size: int = 400, lines: int = 400) -> Any:
+def train_tokenizer(vocab_size: int = 400, lines: int = 400, words: int = 300) -> Any:
     """A byte-level BPE (as Llama 3's and Qwen's are) with every special token above, `vocab_size` ids
     at most: any byte string round-trips, and offsets are exact."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -88,7 +93,7 @@ def train_tokenizer(vocab_size: int = 400, lines: int = 400) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus(lines), trainer)
+    tokenizer.train_from_iterator(corpus(lines, words=words), trainer)
     return tokenizer
 
 
@@ -99,6 +104,7 @@ def save_chat_tokenizer(
     style: str = "llama3",
     vocab_size: int = 400,
     lines: int = 400,
+    words: int = 300,
     generation_eos: list[str] | None = None,
 ) -> Path:
     """A tokenizer folder as a model ships it: tokenizer.json, its config, the chat template, and with
@@ -106,7 +112,9 @@ def save_chat_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     bos, eos = STYLES[style]
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(vocab_size, lines), bos_token=bos, eos_token=eos)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size, lines, words), bos_token=bos, eos_token=eos
+    )
     fast.chat_template = template
     fast.save_pretrained(str(folder))
     if generation_eos is not None:

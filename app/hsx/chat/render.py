@@ -69,7 +69,9 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat templates need transformers: {INSTALL_HINT} ({exc})") from exc
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ImportError) as exc:
+            # ImportError too: transformers 4.x, finding no tokenizer, may fail on an optional package
+            # (protobuf) it would have tried next.
             raise ChatTemplateError(f"{folder}: cannot load a tokenizer from this folder: {exc}") from exc
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError(

@@ -1,0 +1,124 @@
+"""Chat samples rendered into token ids and loss masks (hsx.chat), in one process and in worker processes.
+
+    python -m benchmarks.bench_chat                          # 100,000 conversations, workers 1 and 2
+    python -m benchmarks.bench_chat --conversations 10000 --workers 1 2 4
+
+A JSON-lines file of ShareGPT conversations (2 to 4 turns, human then gpt, made-up words drawn by
+Zipf's law: questions of 20-150 words, answers of 50-400) is written first, untimed. Each run then reads
+it line by line as intake would: json.loads, conversation_of, render_many with a locally trained
+byte-level BPE (32,000 ids) and a template in the style of Llama 3.1's (a system header with dates, a
+default empty system prompt, trimmed contents). Its time includes starting the worker processes (each
+imports transformers and loads the template once). Prints conversations/s, tokens/s and the projected
+time for 100,000 conversations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from hsx.chat import ConversationError, Message, conversation_of, render_many
+from tests.support import chat
+
+# After Llama 3.1's template (without tools): a system header with the knowledge and today's dates always
+# comes first, the system message in it when the conversation opens with one.
+LLAMA31_STYLE = (
+    "{{- bos_token }}"
+    "{%- if not date_string is defined %}{%- set date_string = '26 Jul 2024' %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system_message = messages[0]['content'] | trim %}{%- set messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{- 'Cutting Knowledge Date: December 2023\\n' }}"
+    "{{- 'Today Date: ' + date_string + '\\n\\n' }}"
+    "{{- system_message }}{{- '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+PROJECTED = 100_000
+
+
+def write_conversations(path: Path, n: int, seed: int = 0) -> int:
+    """n ShareGPT lines of 2-4 turns; the bytes written."""
+    rng = random.Random(seed)
+    words = chat.made_up_words(40_000, seed)
+    # Zipf's law, as words in text have it: the tokenizer's cache of words sees what it sees on real text.
+    ranks = list(itertools.accumulate(1 / r for r in range(1, len(words) + 1)))
+    size = 0
+    with path.open("w") as f:
+        for k in range(n):
+            turns = []
+            for _ in range(rng.randint(1, 2)):
+                turns.append(
+                    {
+                        "from": "human",
+                        "value": " ".join(rng.choices(words, cum_weights=ranks, k=rng.randint(20, 150))) + "?",
+                    }
+                )
+                turns.append(
+                    {
+                        "from": "gpt",
+                        "value": " ".join(rng.choices(words, cum_weights=ranks, k=rng.randint(50, 400))) + ".",
+                    }
+                )
+            line = json.dumps({"id": f"c{k}", "conversations": turns}) + "\n"
+            size += len(line)
+            f.write(line)
+    return size
+
+
+def read_conversations(path: Path) -> Iterator[list[Message]]:
+    with path.open() as f:
+        for line in f:
+            conversation = conversation_of(json.loads(line))
+            assert conversation is not None
+            yield conversation
+
+
+def run(folder: Path, data: Path, workers: int) -> tuple[int, int, float]:
+    """(conversations, tokens, seconds) of rendering the whole file."""
+    started = time.perf_counter()
+    count = tokens = 0
+    for result in render_many(folder, read_conversations(data), "assistant", workers=workers):
+        if isinstance(result, ConversationError):
+            raise SystemExit(f"conversation {count} refused: {result}")
+        count += 1
+        tokens += len(result.input_ids)
+    return count, tokens, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=PROJECTED, help="how many (default 100,000)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="the runs' worker counts")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="hsx-chat-") as tmp_name:
+        tmp = Path(tmp_name)
+        folder = chat.save_chat_tokenizer(
+            tmp / "tokenizer", LLAMA31_STYLE, vocab_size=32_000, lines=40_000, words=40_000
+        )
+        data = tmp / "conversations.jsonl"
+        size = write_conversations(data, args.conversations)
+        print(f"{args.conversations} ShareGPT conversations of 2-4 turns, {size / 1e6:.0f} MB of JSON lines")
+        print(f"{'workers':>8}{'seconds':>10}{'conv/s':>10}{'tokens/conv':>13}{'Mtokens/s':>11}{'100k in':>10}")
+        for workers in args.workers:
+            count, tokens, seconds = run(folder, data, workers)
+            rate = count / seconds
+            print(
+                f"{workers:>8}{seconds:>10.1f}{rate:>10.0f}{tokens / count:>13.0f}{tokens / seconds / 1e6:>11.2f}"
+                f"{PROJECTED / rate:>9.0f}s",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
