@@ -9,10 +9,11 @@ Builds a job as the service stores it (bf16 shards of EAGLE-3's four layers, hid
 persisting the same bytes cost extraction), then exports it to every target in turn, each into a fresh
 folder on the same disk after a sync, with the shards evicted from the page cache (an export reads a
 job written long before; --hot leaves them cached). Every export runs once first on a small job,
-unmeasured, so that first-call costs (imports) are left out. A row gives the export's wall seconds,
-its CPU seconds (this process and its worker processes: RUSAGE_SELF + RUSAGE_CHILDREN) per GB of the
-job's shards, and the disk it took beyond the job's own (blocks of the files it wrote that the job
-folder does not share).
+unmeasured, so that first-call costs (imports) are left out of the rows of 1 and N workers (export_job
+in this process); the row "command" is the whole `hsx export --workers N` command, a process of its own,
+its start (Python, torch) included. A row gives the export's wall seconds, its CPU seconds (this process
+and its children: RUSAGE_SELF + RUSAGE_CHILDREN) per GB of the job's shards, and the disk it took beyond
+the job's own (blocks of the files it wrote that the job folder does not share).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import random
 import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -149,6 +152,21 @@ def run(target: str, workers: int, job_dir: Path, out: Path, options: dict, hot:
     return time.perf_counter() - start, cpu_seconds() - cpu0, result.written
 
 
+def run_command(
+    target: str, workers: int, job_dir: Path, out: Path, flags: list[str], hot: bool
+) -> tuple[float, float, int]:
+    """The same export as the `hsx export` command, a process of its own: its start (Python, torch)
+    included."""
+    os.sync()
+    if not hot:
+        drop_cached(job_dir)
+    cpu0, start = cpu_seconds(), time.perf_counter()
+    args = [sys.executable, "-m", "hsx.cli", "export", target, str(job_dir), str(out), "-q", "--workers", str(workers)]
+    subprocess.run([*args, *flags], check=True)
+    files = sum(1 for p in out.rglob("*") if p.is_file() and p.suffix in (".ckpt", ".pt", ".safetensors"))
+    return time.perf_counter() - start, cpu_seconds() - cpu0, files
+
+
 def warm_up(tmp: Path, args: argparse.Namespace, weight: torch.Tensor, options: dict) -> None:
     """Every export once on a small job, unmeasured: what a first call costs once (imports, first
     allocations) is not what an export costs per GB."""
@@ -205,12 +223,16 @@ def main() -> None:
             f"writer (reference: extraction persisting them) {writer_cpu / gb:.2f} CPU s/GB; medians of {args.repeat}"
         )
         print(HEADER)
+        flags = {"speculators": ["--final-norm-weight", str(tmp / "norm.safetensors")]}
         for target in args.targets.split(","):
-            for workers in sorted({1, args.workers}):
+            rows = [(str(w), w, run) for w in sorted({1, args.workers})]
+            rows.append(("command", args.workers, run_command))
+            for label, workers, how in rows:
+                extra_args = options.get(target, {}) if how is run else flags.get(target, [])
                 walls, cpus = [], []
                 for k in range(args.repeat):
-                    out = tmp / f"{target}-{workers}"
-                    wall, cpu, files = run(target, workers, job_dir, out, options.get(target, {}), args.hot)
+                    out = tmp / f"{target}-{label}"
+                    wall, cpu, files = how(target, workers, job_dir, out, extra_args, args.hot)
                     walls.append(wall)
                     cpus.append(cpu)
                     if k == 0:
@@ -219,7 +241,7 @@ def main() -> None:
                 wall, cpu = statistics.median(walls), statistics.median(cpus)
                 spread = f"{min(cpus) / gb:.2f}-{max(cpus) / gb:.2f}"
                 print(
-                    f"{target:<13}{workers:>8}{files:>7}{wall:>8.2f}{gb / wall:>7.2f}{cpu:>8.2f}{cpu / gb:>10.2f}"
+                    f"{target:<13}{label:>8}{files:>7}{wall:>8.2f}{gb / wall:>7.2f}{cpu:>8.2f}{cpu / gb:>10.2f}"
                     f"{spread:>12}{cpu / writer_cpu:>10.2f}{extra / MiB:>16.0f}{extra / job_bytes:>7.2f}",
                     flush=True,
                 )

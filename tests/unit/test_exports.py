@@ -503,6 +503,15 @@ def test_cli_export_and_refusal(job, tmp_path, capsys):
     assert "no manifest.json" in capsys.readouterr().err
 
 
+def test_cli_progress_with_workers_counts_every_file(tmp_path, capsys, monkeypatch):
+    job = make_job(tmp_path, num_samples=9, samples_per_shard=2)
+    monkeypatch.setenv("HSX_PROGRESS_INTERVAL_S", "0.001")  # a log line at once (stderr is not a terminal)
+    assert hsx(["export", "specforge", str(job.job_dir), str(tmp_path / "sf"), "--workers", "3"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    counts = [int(m.group(1)) for line in err if (m := re.match(r"hsx export specforge: (\d+)/9 files", line))]
+    assert counts and counts == sorted(counts) and counts[-1] == 9 and "(100%)" in err[-1]
+
+
 def test_cli_speculators_with_checkpoint(llama, tmp_path, capsys):
     _, checkpoint, job, hidden = llama
     args = ["export", "speculators", str(job.job_dir), str(tmp_path / "sp"), "--final-norm-weight", str(checkpoint)]

@@ -14,6 +14,7 @@ sample at a time, and idle pool threads spin for CPU time on a busy machine.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -119,10 +120,12 @@ def write_files(
     # fork: a worker starts with what this process has loaded (the exporter, torch); `initargs` are
     # handed over in memory, not pickled
     context = multiprocessing.get_context("fork")
+    gc.freeze()
     with context.Pool(min(workers, len(chunks)), initializer=_start_worker, initargs=(exporter, out_dir)) as pool:
         for n in pool.imap_unordered(_worker_chunk, chunks):
             written += n
             done(written)
         pool.close()
         pool.join()
+    gc.unfreeze()
     return written
