@@ -28,9 +28,9 @@ Rerunning into the same folder skips files already complete; every file is writt
 so far are shown as progress. {PROGRESS_NOTE.replace("--json or ", "")}
 
 Disk: every target needs its own copy. No file of any target is a shard or a part of one (each puts
-the layers side by side token by token, in its own container), so nothing can be hard-linked: an
+the layers side by side token by token, in its own container), so nothing can be hard-linked or reflinked: an
 export takes about the bytes of the layers it reads (the whole job for a job of exactly those four
-layers), plus speculators' hsx_samples.jsonl (about 10 bytes a token). To train without a second
+layers), plus speculators' hsx_samples.jsonl (about 9 bytes a token). To train without a second
 copy, read the shards directly with hsx's Dataset (hsx.training.HiddenStateDataset).
 """
 
