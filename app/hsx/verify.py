@@ -25,7 +25,6 @@ import itertools
 import json
 import math
 import os
-import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,11 +38,12 @@ from pydantic import BaseModel, ValidationError
 from hsx.dtypes import DTYPES_BY_CODE
 from hsx.layers import layer_key
 from hsx.manifest import HiddenStates, ManifestHeader, ManifestSample, ManifestShard, locate, manifest_problems
+from hsx.storage.atomic import TEMP_NAME
 from hsx.storage.finite import FloatBits
 from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index, read_metadata
 
 HASH_CHUNK = 8 * 1024 * 1024
-_TEMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
+
 _Entry = TypeVar("_Entry", bound=BaseModel)
 
 
@@ -560,7 +560,7 @@ def _warn_unlisted(job_dir: Path, listed: set[str], report: VerifyReport) -> Non
     for p in sorted(job_dir.iterdir()):
         if p.name.startswith("shard-") and p.name.endswith(".safetensors") and p.name not in listed:
             report.warnings.append(f"{p.name} is not in the manifest")
-        elif _TEMP_NAME.match(p.name):
+        elif TEMP_NAME.match(p.name):
             report.warnings.append(f"{p.name} looks like a temporary file left by an interrupted write")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-import safetensors
+import safetensors.torch
 import torch
 from torch.utils.data import DataLoader
 

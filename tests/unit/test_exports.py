@@ -10,6 +10,7 @@ Optimizer's offline loader (examples/speculative_decoding/eagle_utils.py rglob("
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -20,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as safetensors_save
 
 from hsx.cli import main as hsx
-from hsx.exports import export_job
+from hsx.exports import export_job, speculators
 from hsx.exports.base import RECORD_NAME, ExportRefused
 from tests.support.jobs import LLAMA_LAYERS, llama_job, make_job, tiny_llama
 
@@ -303,11 +305,13 @@ def test_rerun_rewrites_nothing_and_fills_gaps(job, tmp_path, target):
     # an interrupted run: one file missing, one temporary file left behind
     victim = next(p for p in out.rglob("*") if p.suffix in (".ckpt", ".pt"))
     victim.unlink()
-    stale = victim.with_name(f".{victim.name}.tmp-12345")
+    stale = victim.with_name(f".{victim.name}.tmp-12345-67890")  # a process's and a thread's id
+    older = victim.with_name(f".{victim.name}.tmp-12345")  # as earlier versions named them
     stale.write_bytes(b"partial")
+    older.write_bytes(b"partial")
     third = export_job(target, job.job_dir, out)
     assert (third.written, third.skipped) == (1, 4)
-    assert not stale.exists() and victim.exists()
+    assert not stale.exists() and not older.exists() and victim.exists()
     after = mtimes(out)
     assert {k for k in after if after[k] != before.get(k)} == {str(victim.relative_to(out))}
     record = json.loads((out / RECORD_NAME).read_text())
@@ -367,17 +371,145 @@ def test_output_folder_must_be_empty_or_the_same_export(job, tmp_path):
         export_job("modelopt", job.job_dir, job.job_dir)
 
 
+# --- the bytes: as the targets' own writers write them, whatever the workers ---------------------------
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def saved(obj: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_files_are_what_torch_save_and_safetensors_write(tmp_path):
+    """Each file, byte for byte, is what the target's own writer makes of the plain tensors (a cat, a
+    stack, a clone: what the exports wrote before they wrote from the mapped shards)."""
+    job = make_job(tmp_path, layers=[2, 4, 5, 8], dtype="float16", num_samples=5, samples_per_shard=2)
+    export_job("specforge", job.job_dir, tmp_path / "sf", group_size=2)
+    export_job("modelopt", job.job_dir, tmp_path / "mo", aux_layers=[4])
+    for idx, s in enumerate(job.samples):
+        specforge = {
+            "input_ids": s.input_ids.clone(),
+            "loss_mask": s.loss_mask.clone(),
+            "aux_hidden_state": torch.cat([s.layers[2], s.layers[4], s.layers[5]], -1).unsqueeze(0),
+            "hidden_state": s.layers[8].clone().unsqueeze(0),
+        }
+        assert (tmp_path / "sf" / f"rows_{idx // 2 * 2}-{idx // 2 * 2 + 2}" / f"data_{idx}.ckpt").read_bytes() == saved(
+            specforge
+        )
+        modelopt = {
+            "input_ids": s.input_ids.clone(),
+            "hidden_states": s.layers[8].clone(),
+            "aux_hidden_states": s.layers[4].clone(),  # one aux layer: itself, no concatenation
+            "loss_mask": s.loss_mask.clone(),
+            "conversation_id": s.id,
+            "hidden_states_prenorm": False,
+        }
+        assert (tmp_path / "mo" / f"{s.id}.pt").read_bytes() == saved(modelopt)
+    prenorm = make_job(tmp_path / "pre", num_samples=3, model={"model_type": "llama"}, post_norm_layers=[])
+    export_job("speculators", prenorm.job_dir, tmp_path / "sp")
+    for idx, s in enumerate(prenorm.samples):
+        expected = {"hidden_states": torch.stack([s.layers[i] for i in (2, 4, 5, 8)], 1), "token_ids": s.input_ids}
+        assert (tmp_path / "sp" / "hidden_states" / f"hs_{idx}.safetensors").read_bytes() == safetensors_save(expected)
+
+
+def test_speculators_scaled_last_layer_is_what_safetensors_writes(llama, tmp_path, monkeypatch):
+    model, checkpoint, job, _ = llama
+    # blocks of 2 rows: a sample's hidden_states are put together in several pieces
+    monkeypatch.setattr(speculators, "BLOCK_BYTES", 2 * 4 * 32 * 4)
+    export_job("speculators", job.job_dir, tmp_path / "sp", final_norm_weight=checkpoint)
+    scale = model.model.norm.weight.detach().to(torch.float32)
+    for idx, s in enumerate(job.samples):
+        last = (s.layers[8].to(torch.float32) / scale).to(s.layers[8].dtype)
+        expected = {
+            "hidden_states": torch.stack([s.layers[2], s.layers[4], s.layers[5], last], 1),
+            "token_ids": s.input_ids,
+        }
+        assert (tmp_path / "sp" / "hidden_states" / f"hs_{idx}.safetensors").read_bytes() == safetensors_save(expected)
+
+
+@pytest.mark.parametrize("target", ["specforge", "modelopt", "speculators"])
+def test_workers_write_the_same_files_byte_for_byte(tmp_path, target):
+    job = make_job(tmp_path, num_samples=9, samples_per_shard=2, model={"model_type": "llama"}, post_norm_layers=[8])
+    options = {"final_norm_weight": tmp_path / "norm.safetensors"} if target == "speculators" else {}
+    if target == "speculators":
+        # a final norm that the stored last layer fits: its rows divided by it have RMS 1
+        save_file({"model.norm.weight": rms_scale(job)}, tmp_path / "norm.safetensors")
+    seen: list[tuple[int, int]] = []
+    one = export_job(target, job.job_dir, tmp_path / "one", workers=1, **options)
+    three = export_job(
+        target, job.job_dir, tmp_path / "three", workers=3, progress=lambda *a: seen.append(a), **options
+    )
+    assert (one.written, three.written) == (9, 9)
+    one_files, three_files = files(tmp_path / "one"), files(tmp_path / "three")
+    assert len(one_files) >= 10 and one_files == three_files  # the record too: same job, same settings
+    # one call per chunk (one shard's samples), counts rising to the total
+    assert [total for _, total in seen] == [9] * 5
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen) and seen[-1] == (9, 9)
+    assert not list((tmp_path / "three").rglob(".*.tmp-*"))
+
+
+def test_workers_resume_where_a_run_stopped(job, tmp_path):
+    out = tmp_path / "sf"
+    export_job("specforge", job.job_dir, out, workers=2)
+    gone = sorted(out.rglob("data_*.ckpt"))[1:4]
+    for p in gone:
+        p.unlink()
+    seen: list[tuple[int, int]] = []
+    again = export_job("specforge", job.job_dir, out, workers=2, progress=lambda *a: seen.append(a))
+    assert (again.written, again.skipped) == (3, 2)
+    assert seen[-1] == (5, 5) and all(done > 2 for done, _ in seen)
+    assert all(p.exists() for p in gone) and len(read_specforge(out)) == 5
+
+
+def rms_scale(job) -> torch.Tensor:
+    """A final norm weight under which every stored row of layer 8 has RMS 1 once divided by it: the
+    rows' RMS is about that of the random data, so scale all of them to RMS 1 by a common weight."""
+    rows = torch.cat([s.layers[8].to(torch.float32) for s in job.samples])
+    return rows.pow(2).mean().sqrt() * torch.ones(rows.shape[1])
+
+
+def test_a_refusal_in_a_worker_stops_the_export(llama, tmp_path):
+    model, checkpoint, _, _ = llama
+    job, _ = llama_job(tmp_path / "job", model)
+    # the last sample's layer 8 no longer fits the final norm: the refusal comes from the worker that
+    # writes it (the check before anything is written looks at the first sample only)
+    job.set_value(job.samples[-1].id, 8, 1, 0, 1000.0)
+    out = tmp_path / "sp"
+    with pytest.raises(ExportRefused, match=r"sample 'conv-2' row 1: .* has RMS"):
+        export_job("speculators", job.job_dir, out, final_norm_weight=checkpoint, workers=2)
+    assert not list(out.rglob(".*.tmp-*"))
+    assert not (out / "hidden_states" / "hs_2.safetensors").exists()
+    assert json.loads((out / RECORD_NAME).read_text())["complete"] is False
+    assert hsx(["export", "speculators", str(job.job_dir), str(out), "--final-norm-weight", str(checkpoint)]) == 1
+
+
 # --- command line ------------------------------------------------------------------------------------
 
 
 def test_cli_export_and_refusal(job, tmp_path, capsys):
-    assert hsx(["export", "modelopt", str(job.manifest_path), str(tmp_path / "mo")]) == 0
+    assert hsx(["export", "modelopt", str(job.manifest_path), str(tmp_path / "mo"), "--workers", "2"]) == 0
     assert "5 files written" in capsys.readouterr().out
     assert len(read_modelopt(tmp_path / "mo")) == 5
+    with pytest.raises(SystemExit) as exc:
+        hsx(["export", "modelopt", str(job.manifest_path), str(tmp_path / "mo0"), "--workers", "0"])
+    assert exc.value.code == 2 and "must be at least 1" in capsys.readouterr().err
     assert hsx(["export", "speculators", str(job.job_dir), str(tmp_path / "sp")]) == 1
     assert "refused" in capsys.readouterr().err
     assert hsx(["export", "specforge", str(tmp_path / "nowhere"), str(tmp_path / "sf")]) == 1
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_cli_progress_with_workers_counts_every_file(tmp_path, capsys, monkeypatch):
+    job = make_job(tmp_path, num_samples=9, samples_per_shard=2)
+    monkeypatch.setenv("HSX_PROGRESS_INTERVAL_S", "0.001")  # a log line at once (stderr is not a terminal)
+    assert hsx(["export", "specforge", str(job.job_dir), str(tmp_path / "sf"), "--workers", "3"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    counts = [int(m.group(1)) for line in err if (m := re.match(r"hsx export specforge: (\d+)/9 files", line))]
+    assert counts and counts == sorted(counts) and counts[-1] == 9 and "(100%)" in err[-1]
 
 
 def test_cli_speculators_with_checkpoint(llama, tmp_path, capsys):

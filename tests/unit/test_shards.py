@@ -15,11 +15,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as safetensors_save
 
 from hsx.dtypes import DTYPES
 from hsx.manifest import Manifest, ManifestSample, ManifestShard, read_sample
 from hsx.states import JobState
 from hsx.storage import shards, sink
+from hsx.storage.mapped import MappedShard, MappedShards
 from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, encode_header, read_index
 from hsx.storage.shards import SHARD_FORMAT, NonFiniteSamples, ShardSample, shard_name, write_shard
 
@@ -232,12 +234,53 @@ def test_write_shard_refuses_a_layer_listed_twice(tmp_path):
     assert dir_listing(out) == []
 
 
+@pytest.mark.parametrize("metadata", [{}, None])
 @pytest.mark.parametrize("name", ["layer_1", "__metadata__"])
-def test_encode_header_refuses_a_name_given_twice(name):
+def test_encode_header_refuses_a_name_given_twice(name, metadata):
     entries = [("layer_1", "BF16", (2, 3)), (name, "BF16", (2, 3))]
     with pytest.raises(ValueError, match="twice"):
-        encode_header(entries, {})
-    assert len(encode_header(entries[:1], {})) % 8 == 0
+        encode_header(entries, metadata)
+    assert len(encode_header(entries[:1], metadata)) % 8 == 0
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_encode_header_without_metadata_is_the_reference_writers(rows):
+    """What safetensors writes for tensors given no metadata, in its order (the widest dtype first)."""
+    tensors = {"token_ids": torch.arange(rows), "hidden_states": torch.ones(rows, 4, 3, dtype=torch.bfloat16)}
+    reference = safetensors_save(tensors)
+    header = encode_header([("token_ids", "I64", (rows,)), ("hidden_states", "BF16", (rows, 4, 3))], None)
+    assert reference == header + raw(tensors["token_ids"]) + raw(tensors["hidden_states"])
+
+
+# --- mapped rows ----------------------------------------------------------------------------------
+
+
+def test_mapped_rows_are_views_of_the_shard(tmp_path):
+    fx = Fixture(tmp_path / "src", "float32")
+    info = write_shard(tmp_path / shard_name(0), fx.samples, LAYERS, "float32", HIDDEN)
+    shard = MappedShard(tmp_path / shard_name(0))
+    expected = fx.expected()
+    for s, offset in zip(fx.samples, info.offsets):
+        stop = offset + s.num_tokens
+        layer = shard.rows(f"layer_{LAYERS[0]}", offset, stop)
+        assert layer.shape == (s.num_tokens, HIDDEN * 4) and layer.dtype == np.uint8
+        assert layer.tobytes() == raw(expected[f"layer_{LAYERS[0]}"][offset:stop])
+        assert shard.rows("input_ids", offset, stop).view("<i8").ravel().tolist() == s.input_ids.tolist()
+    total = info.num_tokens
+    assert shard.rows("loss_mask", total, total).shape == (0, 8)
+    with pytest.raises(ValueError, match="has no rows"):
+        shard.rows("loss_mask", 1, total + 1)
+    with pytest.raises(ValueError, match="no tensor 'layer_9'"):
+        shard.rows("layer_9", 0, 1)
+
+
+def test_a_damaged_shard_is_named_when_mapped(tmp_path):
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match=r"bad\.safetensors: unreadable shard .* run hsx verify"):
+        MappedShard(tmp_path / "bad.safetensors")
+    shards = MappedShards(tmp_path, max_open=1)
+    with pytest.raises(ValueError, match="unreadable shard"):
+        shards.get("missing.safetensors")
 
 
 # --- read_sample ----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from hsx.cli.progress import PROGRESS_NOTE, progress
+from hsx.exports import default_workers
 from hsx.layers import layers_arg
 
 NAME = "export"
@@ -23,8 +24,22 @@ Layers follow hsx's numbering (0 = embeddings, k = decoder layer k, L = after th
 L, the post-norm layers and the model type come from the manifest where it records them; the
 EAGLE-3 capture is [2, L//2, L-3, L]. A job whose layers do not fit the target is refused (exit 1).
 Rerunning into the same folder skips files already complete; every file is written atomically.
-The files written so far are shown as progress. {PROGRESS_NOTE.replace("--json or ", "")}
+--workers N processes write the files (the same files, byte for byte, whatever N). The files written
+so far are shown as progress. {PROGRESS_NOTE.replace("--json or ", "")}
+
+Disk: every target needs its own copy. No file of any target is a shard or a part of one (each puts
+the layers side by side token by token, in its own container), so nothing can be hard-linked or reflinked: an
+export takes about the bytes of the layers it reads (the whole job for a job of exactly those four
+layers), plus speculators' hsx_samples.jsonl (about 9 bytes a token). To train without a second
+copy, read the shards directly with hsx's Dataset (hsx.training.HiddenStateDataset).
 """
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -43,6 +58,14 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="I,J,K",
         help="aux layers in hsx numbering (default: the target's EAGLE-3 convention, [2, L//2, L-3])",
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        default=default_workers(),
+        metavar="N",
+        help=f"processes writing files, each a chunk of one shard's samples at a time (default: {default_workers()}, "
+        "the CPUs here, at most 4)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and no progress)")
 
@@ -101,7 +124,9 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         with progress(f"hsx export {args.target}", None, unit="files", quiet=args.quiet) as meter:
-            result = export_job(args.target, args.source, args.out_dir, progress=meter.moveto, **_options(args))
+            result = export_job(
+                args.target, args.source, args.out_dir, progress=meter.moveto, workers=args.workers, **_options(args)
+            )
     except ExportRefused as exc:
         print(f"hsx export {args.target}: refused: {exc}", file=sys.stderr)
         return 1

@@ -1,7 +1,8 @@
 """Exports of a job's hidden states into training frameworks' own offline layouts.
 
-One module per target (specforge, speculators, modelopt) plus `base` (refusal, resume, atomic files).
-This package imports nothing heavy itself; `exporter_class(name)` loads a target's module.
+One module per target (specforge, speculators, modelopt) plus `base` (refusal, resume, the record),
+`rows` (a sample's rows over the mapped shard) and `writing` (chunks, worker processes). This package
+imports nothing heavy itself; `exporter_class(name)` loads a target's module.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ TARGETS = {
 }
 
 
+def default_workers() -> int:
+    """Worker processes of `hsx export` unless told: one per CPU this process may use, at most 4 (an
+    export is mostly copying; more workers than that wait on the disk)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 def exporter_class(target: str) -> type[Exporter]:
     if target not in TARGETS:
         raise KeyError(f"unknown export target {target!r}; one of {sorted(TARGETS)}")
@@ -35,9 +42,11 @@ def export_job(
     out_dir: str | os.PathLike[str],
     *,
     progress: Callable[[int, int], None] | None = None,
+    workers: int = 1,
     **options: Any,
 ) -> ExportResult:
-    """Export the job at `source` (job folder or manifest.json) into `out_dir` for `target`.
+    """Export the job at `source` (job folder or manifest.json) into `out_dir` for `target`, with
+    `workers` processes (1: this one); the files are the same whatever their number.
 
     Raises `ExportRefused` when the job or the folder does not fit; returns an `ExportResult`.
     """
@@ -45,4 +54,4 @@ def export_job(
     from hsx.training.reader import load_job
 
     exporter = exporter_class(target)(load_job(source), **options)
-    return run_export(exporter, out_dir, progress=progress)
+    return run_export(exporter, out_dir, progress=progress, workers=workers)

@@ -1,12 +1,13 @@
-"""What every export shares: layer checks, refusal, per-file atomic writes, resume, the record file.
+"""What every export shares: layer checks, refusal, atomic files, resume, the record file.
 
 An export turns a job (manifest + shards) into one file per sample in a training framework's own
 offline layout. It refuses (ExportRefused, nothing written) a job whose captured layers do not fit the
 target's convention. Each file is written under a temporary name in its own folder, fsynced and
-renamed (`atomic_file`), so a file that exists under its final name is complete; a rerun skips
-those and writes only the missing ones. `hsx-export.json` in the output folder records the job, the
-settings and which sample each file holds; a rerun with other settings, or into a folder that holds
-something else, is refused instead of mixing two exports.
+renamed (`hsx.storage.atomic.FileBatch`, see `hsx.exports.writing` for who writes which), so a file
+that exists under its final name is complete; a rerun skips those and writes only the missing ones.
+`hsx-export.json` in the output folder records the job, the settings and which sample each file
+holds; a rerun with other settings, or into a folder that holds something else, is refused instead
+of mixing two exports.
 """
 
 from __future__ import annotations
@@ -14,25 +15,21 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
-import torch
-
-from hsx.layers import layer_key
+from hsx.exports.rows import SampleRows
+from hsx.exports.writing import write_files
 from hsx.manifest import ManifestSample
-from hsx.storage.atomic import atomic_file
+from hsx.storage.atomic import TEMP_NAME, atomic_file
 from hsx.training.reader import ShardReader, StoredJob
 
 RECORD_NAME = "hsx-export.json"
 RECORD_FORMAT = "hsx-export/1"
 LOCK_NAME = ".hsx-export.lock"
-# atomic_file's temporary names: `.<name>.tmp-<pid>`; one left by a killed run is removed on resume
-_TEMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
 
 
 class ExportRefused(Exception):
@@ -55,14 +52,6 @@ class ExportResult:
     skipped: int
     extra_files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-def own(t: torch.Tensor) -> torch.Tensor:
-    """A tensor whose storage is exactly its data (torch.save writes a view's whole storage)."""
-    t = t.contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()
-    return t
 
 
 def require_num_layers(job: StoredJob, num_layers: int | None) -> int:
@@ -112,10 +101,6 @@ class Exporter(ABC):
         """Every file the export writes, in order, with the sample it holds."""
 
     @abstractmethod
-    def keys(self) -> list[str]:
-        """The shard tensors one file needs."""
-
-    @abstractmethod
     def settings(self) -> dict[str, Any]:
         """Everything that shapes the files; a rerun into the same folder must match it."""
 
@@ -127,16 +112,13 @@ class Exporter(ABC):
         """A check on real data before anything is written (optional)."""
 
     @abstractmethod
-    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
-        """Write one file's content for one sample's rows."""
+    def encode(self, f: BinaryIO, rows: SampleRows, entry: ManifestSample, planned: PlannedFile) -> None:
+        """Write one file's content for one sample's rows. It runs in a worker process when the export
+        has several: it must depend on the sample alone, and leave the exporter as it found it."""
 
     def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:
         """Write files that describe the whole export (after every per-sample file); return their names."""
         return []
-
-    # helpers for subclasses
-    def layer_rows(self, rows: dict[str, torch.Tensor], layers: list[int]) -> list[torch.Tensor]:
-        return [rows[layer_key(i)] for i in layers]
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
@@ -181,7 +163,7 @@ def _remove_stale_temps(folders: set[Path]) -> None:
     for d in folders:
         if d.is_dir():
             for p in d.iterdir():
-                if _TEMP_NAME.match(p.name) and p.is_file():
+                if TEMP_NAME.match(p.name) and p.is_file():
                     p.unlink(missing_ok=True)
 
 
@@ -191,9 +173,13 @@ def _write_record(path: Path, record: dict[str, Any]) -> None:
 
 
 def run_export(
-    exporter: Exporter, out_dir: str | os.PathLike[str], progress: Callable[[int, int], None] | None = None
+    exporter: Exporter,
+    out_dir: str | os.PathLike[str],
+    progress: Callable[[int, int], None] | None = None,
+    workers: int = 1,
 ) -> ExportResult:
-    """Write every planned file not yet complete in `out_dir`; see the module docstring."""
+    """Write every planned file not yet complete in `out_dir`, with `workers` processes; see the module
+    docstring. `progress(done, total)` is called (in this process) as files become complete."""
     out_dir = Path(out_dir)
     job = exporter.job
     plan = exporter.plan()
@@ -220,19 +206,20 @@ def run_export(
         finished_before = _check_folder(out_dir, record, plan)
         if not finished_before:
             _write_record(out_dir / RECORD_NAME, record)
-        _remove_stale_temps({out_dir} | {(out_dir / p.rel_path).parent for p in plan})
-        entries = job.samples
-        keys = exporter.keys()
+        folders = {out_dir} | {(out_dir / p.rel_path).parent for p in plan}
+        _remove_stale_temps(folders)
         todo = [p for p in plan if not (out_dir / p.rel_path).exists()]
-        written = 0
-        for n, p in enumerate(todo):
-            entry = entries[p.index]
-            rows = reader.sample(entry, keys)
-            with atomic_file(out_dir / p.rel_path) as f:
-                exporter.encode(f, rows, entry, p)
-            written += 1
+        skipped = len(plan) - len(todo)
+
+        def done(written: int) -> None:
             if progress is not None:
-                progress(len(plan) - len(todo) + n + 1, len(plan))
+                progress(skipped + written, len(plan))
+
+        try:
+            written = write_files(exporter, out_dir, todo, workers, done)
+        except BaseException:
+            _remove_stale_temps(folders)  # what a worker stopped mid-file left
+            raise
         extra = exporter.finalize(out_dir, reader, changed=written > 0 or not finished_before)
         if not finished_before:
             _write_record(out_dir / RECORD_NAME, {**record, "complete": True})

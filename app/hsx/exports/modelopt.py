@@ -32,11 +32,11 @@ from hsx.exports.base import (
     Exporter,
     ExportRefused,
     PlannedFile,
-    own,
     require_layers,
     require_num_layers,
     require_post_norm_last,
 )
+from hsx.exports.rows import SampleRows
 from hsx.layers import layer_key
 from hsx.manifest import ManifestSample
 from hsx.training.reader import StoredJob
@@ -93,9 +93,6 @@ class ModelOptExporter(Exporter):
     def plan(self) -> list[PlannedFile]:
         return [PlannedFile(name, i, s.id) for i, (name, s) in enumerate(zip(self._names, self.job.samples))]
 
-    def keys(self) -> list[str]:
-        return ["input_ids", "loss_mask"] + [layer_key(i) for i in [*self.aux_layers, self.num_layers]]
-
     def settings(self) -> dict[str, Any]:
         return {"aux_layers": self.aux_layers, "last_layer": self.num_layers}
 
@@ -109,14 +106,14 @@ class ModelOptExporter(Exporter):
             "train with answer_only_loss to use the stored loss_mask (otherwise Model Optimizer uses all ones)",
         ]
 
-    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
-        aux = self.layer_rows(rows, self.aux_layers)
+    def encode(self, f: BinaryIO, rows: SampleRows, entry: ManifestSample, planned: PlannedFile) -> None:
+        # the shard's own rows where a tensor is one (no copy), one copy for the aux layers side by side
         torch.save(
             {
-                "input_ids": own(rows["input_ids"].to(torch.int64)),
-                "hidden_states": own(rows[layer_key(self.num_layers)]),
-                "aux_hidden_states": own(aux[0] if len(aux) == 1 else torch.cat(aux, dim=-1)),
-                "loss_mask": own(rows["loss_mask"].to(torch.int64)),
+                "input_ids": rows.tensor("input_ids", torch.int64),
+                "hidden_states": rows.tensor(layer_key(self.num_layers)),
+                "aux_hidden_states": rows.side_by_side([layer_key(i) for i in self.aux_layers]),
+                "loss_mask": rows.tensor("loss_mask", torch.int64),
                 "conversation_id": str(entry.id),
                 "hidden_states_prenorm": False,
             },

@@ -27,11 +27,11 @@ from hsx.exports.base import (
     Exporter,
     ExportRefused,
     PlannedFile,
-    own,
     require_layers,
     require_num_layers,
     require_post_norm_last,
 )
+from hsx.exports.rows import SampleRows
 from hsx.layers import eagle3_aux_layers, layer_key
 from hsx.manifest import ManifestSample
 from hsx.training.reader import StoredJob
@@ -76,9 +76,6 @@ class SpecForgeExporter(Exporter):
             for i, s in enumerate(self.job.samples)
         ]
 
-    def keys(self) -> list[str]:
-        return ["input_ids", "loss_mask"] + [layer_key(i) for i in [*self.aux_layers, self.num_layers]]
-
     def settings(self) -> dict[str, Any]:
         return {"aux_layers": self.aux_layers, "last_layer": self.num_layers, "group_size": self.group_size}
 
@@ -89,14 +86,15 @@ class SpecForgeExporter(Exporter):
         line += ", its default)" if ids == default else "; set model.aux_hidden_state_layer_ids to this)"
         return [line, f"hidden_state = hsx layer {self.num_layers} (after the final norm)"]
 
-    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
-        aux = torch.cat(self.layer_rows(rows, self.aux_layers), dim=-1)
+    def encode(self, f: BinaryIO, rows: SampleRows, entry: ManifestSample, planned: PlannedFile) -> None:
+        # torch.save writes each tensor's whole storage: the ids, the mask and the last layer are the
+        # shard's own rows (no copy), the aux layers the one copy that puts them side by side
         torch.save(
             {
-                "input_ids": own(rows["input_ids"].to(torch.int64)),
-                "loss_mask": own(rows["loss_mask"].to(torch.int64)),
-                "aux_hidden_state": own(aux.unsqueeze(0)),
-                "hidden_state": own(rows[layer_key(self.num_layers)].unsqueeze(0)),
+                "input_ids": rows.tensor("input_ids", torch.int64),
+                "loss_mask": rows.tensor("loss_mask", torch.int64),
+                "aux_hidden_state": rows.side_by_side([layer_key(i) for i in self.aux_layers]).unsqueeze(0),
+                "hidden_state": rows.tensor(layer_key(self.num_layers)).unsqueeze(0),
             },
             f,
         )

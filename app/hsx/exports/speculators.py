@@ -30,14 +30,16 @@ import json
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as safetensors_bytes
 
-from hsx.exports.base import Exporter, ExportRefused, PlannedFile, own, require_layers, require_num_layers
+from hsx.exports.base import Exporter, ExportRefused, PlannedFile, require_layers, require_num_layers
+from hsx.exports.rows import SampleRows, fill_side_by_side
 from hsx.layers import eagle3_aux_layers, layer_key
 from hsx.manifest import ManifestSample
 from hsx.storage.atomic import atomic_file
+from hsx.storage.safetensors_raw import encode_header
 from hsx.training.reader import ShardReader, StoredJob
 
 SAMPLES_NAME = "hsx_samples.jsonl"
@@ -51,6 +53,8 @@ NORM_KEYS = (
 RMS_TOLERANCE = 0.02
 # transformers model types whose RMS norm scales by 1 + weight (their weights are stored centred on 0).
 ONE_PLUS_WEIGHT_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next"})
+# A file's hidden_states are put together and written this many bytes of rows at a time.
+BLOCK_BYTES = 8 * 1024 * 1024
 
 
 def default_norm_offset(model_type: str | None) -> float:
@@ -152,9 +156,6 @@ class SpeculatorsExporter(Exporter):
     def plan(self) -> list[PlannedFile]:
         return [PlannedFile(f"hidden_states/hs_{i}.safetensors", i, s.id) for i, s in enumerate(self.job.samples)]
 
-    def keys(self) -> list[str]:
-        return ["input_ids"] + [layer_key(i) for i in self.target_layer_ids]
-
     def settings(self) -> dict[str, Any]:
         final_norm = None
         if self.scale is not None:
@@ -177,7 +178,9 @@ class SpeculatorsExporter(Exporter):
             "--hidden-states-path <out>/hidden_states",
         ]
 
-    def unnormed_last(self, last: torch.Tensor, sample_id: object) -> torch.Tensor:
+    def unnormed_last(self, last: torch.Tensor, sample_id: object, first_row: int = 0) -> torch.Tensor:
+        """Rows of the last layer (the sample's from `first_row` on) with the final norm's scale divided
+        out, in float32, each checked to have RMS 1; `last` itself when there is no scale."""
         if self.scale is None:
             return last
         x = last.to(torch.float32) / self.scale
@@ -186,12 +189,12 @@ class SpeculatorsExporter(Exporter):
         if worst.numel() and float(worst.max()) > RMS_TOLERANCE:
             row = int(worst.argmax())
             raise ExportRefused(
-                f"sample {sample_id!r} row {row}: layer {self.num_layers} divided by the final norm's "
+                f"sample {sample_id!r} row {first_row + row}: layer {self.num_layers} divided by the final norm's "
                 f"scale ({self.norm_source} + {self.final_norm_offset}) has RMS {float(rms[row]):.4f}, "
                 "not 1: the weight is not this model's, or its norm is not x / rms(x) * (weight + "
                 "offset) (Gemma-style norms use offset 1)"
             )
-        return x.to(last.dtype)
+        return x
 
     def preflight(self, reader: ShardReader) -> None:
         if self.job.samples:
@@ -199,14 +202,29 @@ class SpeculatorsExporter(Exporter):
             rows = reader.sample(entry, [layer_key(self.num_layers)])
             self.unnormed_last(rows[layer_key(self.num_layers)], entry.id)
 
-    def encode(self, f: BinaryIO, rows: dict[str, torch.Tensor], entry: ManifestSample, planned: PlannedFile) -> None:
-        layers = self.layer_rows(rows, self.aux_layers)
-        layers.append(self.unnormed_last(rows[layer_key(self.num_layers)], entry.id))
-        f.write(
-            safetensors_bytes(
-                {"hidden_states": own(torch.stack(layers, dim=1)), "token_ids": own(rows["input_ids"].to(torch.int64))}
-            )
-        )
+    def encode(self, f: BinaryIO, rows: SampleRows, entry: ManifestSample, planned: PlannedFile) -> None:
+        """The file safetensors.torch.save would write for {hidden_states, token_ids}, byte for byte,
+        written a block of rows at a time: hidden_states is the layers side by side, row by row."""
+        keys = [layer_key(i) for i in self.target_layer_ids]
+        span = rows.shard.span(keys[0])
+        t, n, width = rows.num_tokens, len(keys), span.row_bytes
+        token_ids = rows.tensor("input_ids", torch.int64)
+        # safetensors' own order: the 8-byte ids, then the states
+        shapes = [("token_ids", "I64", (t,)), ("hidden_states", span.dtype, (t, n, *span.shape[1:]))]
+        f.write(encode_header(shapes, None))
+        f.write(token_ids.numpy().data.cast("B"))
+        step = max(1, BLOCK_BYTES // (n * width))
+        block = np.empty((min(step, t), n * width), dtype=np.uint8)
+        copied = keys if self.scale is None else keys[:-1]  # a scaled last layer is written by torch below
+        for start in range(0, t, step):
+            stop = min(start + step, t)
+            out = block[: stop - start]
+            fill_side_by_side(out, [rows.raw(k, start, stop) for k in copied])
+            if self.scale is not None:
+                last = rows.as_tensor(keys[-1], rows.raw(keys[-1], start, stop))
+                states = torch.from_numpy(out).view(last.dtype).view(stop - start, n, -1)
+                states[:, -1].copy_(self.unnormed_last(last, entry.id, start))
+            f.write(out.reshape(-1).data)
 
     def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:
         path = out_dir / SAMPLES_NAME

@@ -112,17 +112,18 @@ def _whole(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
     """The 8-byte length plus JSON header for tensors laid out back to back in this order.
 
-    The JSON is space-padded so the data starts 8-byte aligned, as the reference writer does. A
-    name given twice (or named like the metadata) is a ValueError: JSON would keep one entry for
-    it, whose offsets no longer cover the data, and no reader opens such a file.
+    The JSON is space-padded so the data starts 8-byte aligned, as the reference writer does; with
+    `metadata` None the header has no `__metadata__`, as the reference writer leaves it when given
+    none. A name given twice (or named like the metadata) is a ValueError: JSON would keep one entry
+    for it, whose offsets no longer cover the data, and no reader opens such a file.
     """
-    header: dict[str, object] = {"__metadata__": metadata}
+    header: dict[str, object] = {} if metadata is None else {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape in entries:
-        if name in header:
+        if name in header or name == "__metadata__":
             raise ValueError(f"tensor name {name!r} is given twice; a safetensors header names each tensor once")
         nbytes = math.prod(shape) * DTYPES_BY_CODE[dtype].itemsize
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
