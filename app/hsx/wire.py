@@ -170,7 +170,8 @@ class Attempts(BaseModel):
     retried: int = Field(description="attempts that failed and left the sample another (outcome `retry`)")
     failed: int = Field(description="the last attempts of samples that failed (outcome `failed`)")
     interrupted: int = Field(
-        description="attempts given back without spending the sample's budget (the model server or the writer went away during it)"
+        description="attempts given back without spending the sample's budget (the model server or the writer "
+        "went away during it)"
     )
     by_reason: dict[str, int] = Field(
         description="retried and failed attempts by reason code: the part of the attempt's reason before its "

@@ -76,9 +76,10 @@ def workers(session: ReadSessionDep) -> WorkerList:
     "needs a token like any other endpoint (a read token is enough).",
 )
 def metrics(session: ReadSessionDep, writer: WriterDep) -> PlainTextResponse:
-    lines = service.state_metrics(session=session, own=_own(writer))
-    if writer is not None:
-        lines += writer_lines(writer)
+    own = _own(writer)
+    lines = service.state_metrics(session=session, own=own)
+    if writer is not None and own is not None:
+        lines += writer_lines(writer, own.tokens_per_s)
     return PlainTextResponse("\n".join(lines) + "\n", media_type=METRICS_MEDIA_TYPE)
 
 

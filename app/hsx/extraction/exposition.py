@@ -26,8 +26,9 @@ HEALTHY_STATES = ("ready", "waiting")
 METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def writer_lines(writer: Writer) -> list[str]:
-    """The writer's Prometheus lines: whether it is ready, its state, and its counters."""
+def writer_lines(writer: Writer, tokens_per_s: float | None = None) -> list[str]:
+    """The writer's Prometheus lines: whether it is ready, its state, and its counters; `tokens_per_s`
+    its rate as the caller read it for the rest of its answer."""
     identity, state = label(writer.identity), writer.status.state
     lines = [
         "# HELP hsx_writer_ready Whether this process's dump-root writer can extract now.",
@@ -37,7 +38,7 @@ def writer_lines(writer: Writer) -> list[str]:
         "# TYPE hsx_writer_state gauge",
     ]
     lines += [f'hsx_writer_state{{identity="{identity}",state="{s}"}} {int(s == state)}' for s in WRITER_STATES]
-    return lines + writer.metrics.render()
+    return lines + writer.metrics.render(tokens_per_s)
 
 
 def writer_health(writer: Writer) -> tuple[int, dict[str, Any]]:

@@ -95,7 +95,10 @@ class WriterMetrics:
         span = max(now - recent[0][0], 1.0)
         return round(sum(n for _, n in recent) / span, 3)
 
-    def render(self) -> list[str]:
+    def render(self, tokens_per_s: float | None = None) -> list[str]:
+        """The lines; `tokens_per_s`: the rate as the caller read it (so that one answer shows one figure),
+        else read now."""
+        rate = self.tokens_per_second() if tokens_per_s is None else tokens_per_s
         with self._lock:
             lines = [
                 "# HELP hsx_attempts_total Sample attempts by outcome and reason code; an ok attempt whose "
@@ -131,6 +134,6 @@ class WriterMetrics:
         lines += [
             "# HELP hsx_tokens_per_second Tokens extracted per second over the last minute.",
             "# TYPE hsx_tokens_per_second gauge",
-            f"hsx_tokens_per_second {self.tokens_per_second():.3f}",
+            f"hsx_tokens_per_second {rate:.3f}",
         ]
         return lines
