@@ -297,7 +297,11 @@ class WriterOut(BaseModel):
         "has every writer with its lease)"
     )
     heartbeat_at: datetime
-    tokens_per_s: float | None = Field(None, description="tokens it extracted per second over the last minute")
+    tokens_per_s: float | None = Field(
+        None,
+        description="tokens it extracted per second over the last minute, as of its last heartbeat; for this "
+        "process's own writer as of now, the figure `writer.tokens_per_s` shows",
+    )
 
 
 class Health(BaseModel):
@@ -344,7 +348,9 @@ class WorkerOut(BaseModel):
     lease_expires_at: datetime | None = Field(description="when its samples go back to the queue unless it renews")
     lease: int = Field(description="its fencing token: raised each time it registers or its lease is taken over")
     samples_staged: int | None = Field(description="samples it extracted since it started")
-    tokens_per_s: float | None = Field(description="tokens it extracted per second, over the last minute")
+    tokens_per_s: float | None = Field(
+        description="tokens it extracted per second over the last minute, as of its last heartbeat"
+    )
 
 
 class WorkerList(BaseModel):

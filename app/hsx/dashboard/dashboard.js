@@ -630,7 +630,7 @@ function retries(j) {
   const summary = [
     `${fmt.count(a.total)} attempt${a.total === 1 ? "" : "s"} ended: ${fmt.count(a.ok)} ok, `,
     `${fmt.count(a.retried)} retried, ${fmt.count(a.failed)} failed, ${fmt.count(a.interrupted)} interrupted`,
-    " (given back unspent while the model server was away).",
+    " (given back unspent).",
     a.waiting_retry
       ? ` ${fmt.count(a.waiting_retry)} sample${a.waiting_retry === 1 ? "" : "s"} waiting for another attempt.`
       : "",

@@ -36,15 +36,20 @@ def upgrade() -> None:
     # A plain ADD COLUMN on both databases: no copy of the jobs table.
     op.add_column("jobs", sa.Column("n_requeued", sa.Integer(), nullable=False, server_default="0"))
     # Jobs stored before this revision get their counts from the rows, once.
-    code = REASON_CODE[op.get_bind().dialect.name]
-    op.execute(
-        "INSERT INTO job_attempt_counts (job_id, outcome, reason, n) "
-        f"SELECT s.job_id, a.outcome, {code}, count(*) FROM attempts a JOIN samples s ON s.pk = a.sample_pk "
-        f"WHERE a.outcome IS NOT NULL GROUP BY s.job_id, a.outcome, {code}"
-    )
+    op.execute(counts_sql(op.get_bind().dialect.name))
     op.execute(
         "UPDATE jobs SET n_requeued = (SELECT count(*) FROM samples s WHERE s.job_id = jobs.id "
         "AND s.state = 'queued' AND s.tries > 0) WHERE jobs.n_queued > 0"
+    )
+
+
+def counts_sql(dialect: str) -> str:
+    """Every job's ended attempts counted by outcome and reason code, from the attempts table."""
+    code = REASON_CODE[dialect]
+    return (
+        "INSERT INTO job_attempt_counts (job_id, outcome, reason, n) "
+        f"SELECT s.job_id, a.outcome, {code}, count(*) FROM attempts a JOIN samples s ON s.pk = a.sample_pk "
+        f"WHERE a.outcome IS NOT NULL GROUP BY s.job_id, a.outcome, {code}"
     )
 
 
