@@ -175,6 +175,18 @@ class Settings(BaseSettings):
         "(dead, paused, cut off from the database) loses its running and staged samples to the queue, and "
         "nothing it does afterwards is recorded",
     )
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="hsx worker only: serve GET /metrics (Prometheus) and GET /healthz (200 while its writer is "
+        "ready or waiting, else 503) on this port; unset: no port (hsx serve has both on its API port)",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="hsx worker only: the address --metrics-port listens on; 0.0.0.0 (or the node's address) for "
+        "a Prometheus on another host or a container probe from outside",
+    )
     run_writer: bool = Field(
         True,
         description="run the single writer for the dump root in this process; without it the process serves "

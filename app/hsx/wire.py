@@ -261,6 +261,27 @@ class Tokens(BaseModel):
     staged: int = Field(description="validated, waiting for their shard")
 
 
+class Attempts(BaseModel):
+    """A job's attempts so far, counted as each one ends: how many were retried, and why."""
+
+    total: int = Field(description="attempts that ended, whatever their outcome (those running are not counted)")
+    ok: int = Field(description="attempts that gave the sample's hidden states")
+    retried: int = Field(description="attempts that failed and left the sample another (outcome `retry`)")
+    failed: int = Field(description="the last attempts of samples that failed (outcome `failed`)")
+    interrupted: int = Field(
+        description="attempts given back without spending the sample's budget (the model server or the writer "
+        "went away during it)"
+    )
+    by_reason: dict[str, int] = Field(
+        description="retried and failed attempts by reason code: the part of the attempt's reason before its "
+        "first ':' (`no_dump`, `wrong_shape`, `non_finite`, ...), as GET /metrics counts them",
+    )
+    waiting_retry: int = Field(
+        description="queued samples that were tried before (after a retried or interrupted attempt, or a retry "
+        "asked for), waiting for their next attempt",
+    )
+
+
 class JobOut(BaseModel):
     id: str
     object: Literal["job"] = "job"
@@ -280,6 +301,7 @@ class JobOut(BaseModel):
     )
     counts: Counts
     tokens: Tokens
+    attempts: Attempts = Field(description="attempts by outcome and retries by reason, counted as attempts end")
     rate_tokens_per_s: float | None
     eta_s: float | None = Field(
         description="seconds left at the present rate; null before any rate, and while cancelling"
@@ -383,7 +405,11 @@ class WriterOut(BaseModel):
         "has every writer with its lease)"
     )
     heartbeat_at: datetime
-    tokens_per_s: float | None = Field(None, description="tokens it extracted per second over the last minute")
+    tokens_per_s: float | None = Field(
+        None,
+        description="tokens it extracted per second over the last minute, as of its last heartbeat; for this "
+        "process's own writer as of now, the figure `writer.tokens_per_s` shows",
+    )
 
 
 class Health(BaseModel):
@@ -430,7 +456,9 @@ class WorkerOut(BaseModel):
     lease_expires_at: datetime | None = Field(description="when its samples go back to the queue unless it renews")
     lease: int = Field(description="its fencing token: raised each time it registers or its lease is taken over")
     samples_staged: int | None = Field(description="samples it extracted since it started")
-    tokens_per_s: float | None = Field(description="tokens it extracted per second, over the last minute")
+    tokens_per_s: float | None = Field(
+        description="tokens it extracted per second over the last minute, as of its last heartbeat"
+    )
 
 
 class WorkerList(BaseModel):

@@ -64,11 +64,12 @@ def test_every_help_works_without_torch(tmp_path):
     assert proc.stdout.count("usage: hsx ") == len(commands)
 
 
-def serve_help(capsys, monkeypatch) -> dict[str, str]:
-    """`hsx serve --help`: each option's help text (whitespace collapsed) by its first flag."""
+def serve_help(capsys, monkeypatch, command: str = "serve") -> dict[str, str]:
+    """`hsx serve --help` (or another command's): each option's help text (whitespace collapsed) by its
+    first flag."""
     monkeypatch.setenv("COLUMNS", "1000")  # wide enough that no help text is wrapped
     with pytest.raises(SystemExit) as exc:
-        cli.main(["serve", "--help"])
+        cli.main([command, "--help"])
     assert exc.value.code == 0
     options = capsys.readouterr().out.split("\noptions:\n")[1]
     entries = [" ".join(entry.split()) for entry in re.split(r"\n(?=  -)", options)]
@@ -77,15 +78,20 @@ def serve_help(capsys, monkeypatch) -> dict[str, str]:
 
 def test_serve_flags_and_help_come_from_settings(capsys, monkeypatch):
     help_of = serve_help(capsys, monkeypatch)
-    for name, field in Settings.model_fields.items():
+    served = {name: field for name, field in Settings.model_fields.items() if name not in serve.WORKER_SETTINGS}
+    for name, field in served.items():
         text = help_of[serve.OFF_SWITCHES.get(name, f"--{name.replace('_', '-')}")]
         assert field.description and field.description in text and f"env HSX_{name.upper()}" in text
     assert help_of["--backend-url"].endswith("(env HSX_BACKEND_URL; default http://127.0.0.1:30000)")
     assert help_of["--staging-dir"].endswith("(env HSX_STAGING_DIR; default unset)")
     assert help_of["--no-writer"].endswith("(env HSX_RUN_WRITER=false)")
     assert set(help_of) == {"-h", "--log-level", "--log-format", "--access-log", "--no-writer"} | {
-        f"--{name.replace('_', '-')}" for name in Settings.model_fields if name != "run_writer"
+        f"--{name.replace('_', '-')}" for name in served if name != "run_writer"
     }
+    # The metrics port is the worker's: `hsx serve` answers /metrics and /healthz on its API port.
+    worker = serve_help(capsys, monkeypatch, "worker")
+    assert "(env HSX_METRICS_PORT; default unset)" in worker["--metrics-port"]
+    assert "(env HSX_METRICS_HOST; default 127.0.0.1)" in worker["--metrics-host"]
 
 
 def test_serve_settings_flags_win_over_environment(monkeypatch):

@@ -139,6 +139,10 @@ def test_a_failed_sample_is_followed_live_and_retried_until_the_job_succeeds(sta
     reasons = page.get_by_role("table", name="Failed samples and why")
     expect(reasons).to_contain_text(failed["id"])
     expect(reasons).to_contain_text(failed["last_error"])
+    # The job's attempts by reason, from its counters: shown while it runs, and kept after a retry.
+    by_reason = page.get_by_role("table", name="Retried and failed attempts by reason")
+    expect(by_reason).to_contain_text("wrong_shape")
+    expect(page.get_by_text(re.compile(r"attempts ended: \d+ ok, 0 retried, 1 failed"))).to_be_visible()
     expect(page.get_by_role("img", name=re.compile("^Throughput in"))).to_be_visible()
     screenshots(page, artifacts, "job-failed")
 

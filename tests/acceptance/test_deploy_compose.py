@@ -54,6 +54,6 @@ def test_the_compose_services_run_a_job_end_to_end(tmp_path, postgres_url):
             for layer in worker["layers"]:
                 assert torch.equal(got[f"layer_{layer}"], truth[layer]), (s["id"], layer)
         # Each healthcheck of the file passes against what runs.
-        assert stack.healthy("api") and stack.healthy("model-server")
+        assert stack.healthy("api") and stack.healthy("model-server") and stack.healthy("worker")
     finally:
         stack.down()

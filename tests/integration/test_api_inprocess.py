@@ -198,6 +198,50 @@ def test_a_cancelled_job_ends_cancelled_and_can_then_be_deleted(api, settings):
     assert not (settings.output_root / job["id"]).exists()
 
 
+def deleted_without_files(api: TestClient) -> str:
+    """A cancelled job (its manifest written) whose records were deleted without its files; its id."""
+    job = create(api, {"samples": [OK]})
+    api.post(f"/v1/jobs/{job['id']}/cancel")
+    wait_state(api, job["id"], "cancelled")
+    assert api.delete(f"/v1/jobs/{job['id']}").status_code == 204
+    return job["id"]
+
+
+def test_the_files_a_delete_left_are_deleted_by_a_later_delete_with_files(api, settings):
+    job_id = deleted_without_files(api)
+    folder = settings.output_root / job_id
+    assert (folder / "manifest.json").is_file(), "without delete_files the folder stays"
+    assert problem(api.delete(f"/v1/jobs/{job_id}"), 404), "no records, and no files asked for"
+    (folder / ".unnumbered-0123456789abcdef.tmp-42").write_bytes(b"what a crash left")
+    assert api.delete(f"/v1/jobs/{job_id}", params={"delete_files": "true"}).status_code == 204
+    assert not folder.exists()
+    assert problem(api.delete(f"/v1/jobs/{job_id}", params={"delete_files": "true"}), 404)
+
+
+def test_a_left_folder_is_removed_only_when_it_is_plainly_hsxs(api, settings):
+    job_id = deleted_without_files(api)
+    folder = settings.output_root / job_id
+    (folder / "notes.txt").write_text("mine")
+    refused = problem(api.delete(f"/v1/jobs/{job_id}", params={"delete_files": "true"}), 409)
+    assert (refused["type"], refused["foreign_files"]) == ("/problems/foreign-files", ["notes.txt"])
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "notes.txt"], "nothing removed"
+    (folder / "notes.txt").unlink()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"job_id": "job_00000000000000000000"}))
+    assert problem(api.delete(f"/v1/jobs/{job_id}", params={"delete_files": "true"}), 409)["foreign_files"] == [
+        "manifest.json"
+    ], "another job's manifest"
+    # Not a job folder's name, or not a folder: nothing is touched.
+    other = settings.output_root / "kept"
+    other.mkdir()
+    (other / "manifest.json").write_text("{}")
+    link = settings.output_root / "job_0123456789abcdef0123"
+    link.symlink_to(other)
+    for name in ("kept", link.name, "..", "job_0123456789abcdef0123/..", "%2E%2E"):
+        assert api.delete(f"/v1/jobs/{name}", params={"delete_files": "true"}).status_code in (404, 405), name
+    assert (other / "manifest.json").exists() and link.is_symlink() and folder.exists()
+
+
 def test_metrics_and_workers_read_the_database(api):
     create(api, {"samples": [OK]})
     metrics = api.get("/metrics")

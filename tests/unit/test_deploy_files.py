@@ -195,6 +195,15 @@ def test_compose_shares_the_dump_root_with_the_model_server_and_the_output_root_
     assert "/healthz" in " ".join(api["healthcheck"]["test"])
 
 
+def test_the_compose_worker_is_healthy_by_its_own_metrics_port() -> None:
+    worker = compose()["services"]["worker"]
+    env = worker["environment"]
+    port = env["HSX_METRICS_PORT"]
+    assert env["HSX_METRICS_HOST"] == "0.0.0.0", "a Prometheus on the project's network reaches it"
+    assert port in [str(p) for p in worker["expose"]] and "ports" not in worker, "not published on the host"
+    assert f"http://127.0.0.1:{port}/healthz" in " ".join(worker["healthcheck"]["test"])
+
+
 # ---------------------------------------------------------------------------------------------------
 # kubernetes: what is shared, secrets, probes
 
@@ -246,6 +255,19 @@ def test_the_api_is_ready_by_healthz_and_its_service_reaches_it() -> None:
     assert [p["targetPort"] for p in service["spec"]["ports"]] == [port["name"]]
 
 
+def test_the_worker_is_ready_by_its_own_healthz_on_its_metrics_port() -> None:
+    template = k8s_object("Deployment", "hsx-sglang")["spec"]["template"]
+    worker = next(c for c in template["spec"]["containers"] if c["command"] == ["hsx", "worker"])
+    (port,) = worker["ports"]
+    assert str(port["containerPort"]) == env_value(worker, "HSX_METRICS_PORT")
+    assert env_value(worker, "HSX_METRICS_HOST") == "0.0.0.0", "the kubelet probes the pod's address"
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+    assert "livenessProbe" not in worker, "a restart fixes neither a refused server nor a wait"
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port["containerPort"])
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
 # ---------------------------------------------------------------------------------------------------
 # systemd
 
@@ -281,6 +303,13 @@ def test_the_worker_template_reads_its_instances_settings() -> None:
     instance = env_file(example_of(files[-1]))
     assert {"HSX_BACKEND_URL", "HSX_DUMP_ROOT"} <= set(instance)
     assert "%i" in next(v for _, k, v in entries if k == "Description")
+
+
+def test_each_worker_instance_has_a_metrics_port_of_its_own() -> None:
+    instance = env_file(DEPLOY / "systemd" / "worker-0.env.example")
+    shared = env_file(DEPLOY / "systemd" / "worker.env.example")
+    assert "HSX_METRICS_PORT" in instance and "HSX_METRICS_PORT" not in shared, "one port per instance"
+    assert instance["HSX_METRICS_PORT"] != env_file(DEPLOY / "systemd" / "api.env.example")["HSX_PORT"]
 
 
 def installed_hsx() -> Path:

@@ -366,7 +366,7 @@ def get_shard(
     "it unchanged; a finished job is a 409.",
 )
 def cancel_job(job_id: JobId, session: SessionDep, cancels: CancelsDep) -> JobOut:
-    job = job_out(service.cancel_job(session=session, job_id=job_id))
+    job = queries.job_answer(session=session, job=service.cancel_job(session=session, job_id=job_id))
     cancels.wake()
     return job
 
@@ -381,7 +381,7 @@ def cancel_job(job_id: JobId, session: SessionDep, cancels: CancelsDep) -> JobOu
 def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
     job = service.retry_job(session=session, job_id=job_id)
     _wake(writer)
-    return job_out(job)
+    return queries.job_answer(session=session, job=job)
 
 
 @router.delete(
@@ -391,7 +391,11 @@ def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
     responses=_problems(404, 409),
     summary="Delete a finished job's records, and with delete_files=true its shards and manifest",
     description="Only a finished (`succeeded`, `partial`, `failed` or `cancelled`) job: a 409 while it is `queued`, "
-    "`running` or `cancelling`.",
+    "`running` or `cancelling`. Without delete_files the job's folder stays in the output root; "
+    "delete_files=true removes it later too, once the records are gone, as long as it holds only what hsx "
+    "writes there (shards, manifest.json, temporary files); a folder holding anything else is a 409 "
+    "(`/problems/foreign-files`, naming them) and is left as it is. A 404 when there are neither records "
+    "nor (with delete_files) a folder.",
 )
 def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:
     service.delete_job(session=session, job_id=job_id, output_root=settings.output_root, delete_files=delete_files)

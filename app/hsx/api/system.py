@@ -11,6 +11,8 @@ from fastapi.responses import PlainTextResponse
 from hsx.api.deps import ReadSessionDep, SettingsDep, WriterDep
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
 from hsx.config import parse_tokens
+from hsx.extraction import Writer
+from hsx.extraction.exposition import METRICS_MEDIA_TYPE, writer_lines
 from hsx.service import status as service
 from hsx.wire import Health, TokenInfo, WorkerList, WriterOut
 
@@ -26,18 +28,27 @@ def healthz(request: Request, session: ReadSessionDep, writer: WriterDep, settin
     # runs: no host, dump root, model server, model or boot id.
     detailed = not settings.api_tokens or getattr(request.state, "role", None) is not None
     status: dict[str, Any] | None = None
+    own = _own(writer)
     if writer is not None:
         status = {"state": writer.status.state}
-        if detailed:
+        if detailed and own is not None:
             status |= {
                 "identity": writer.identity,
                 "reason": writer.status.reason,
                 "server": writer.status.server,
-                "tokens_per_s": round(writer.metrics.tokens_per_second(), 3),
+                "tokens_per_s": own.tokens_per_s,
             }
-    writers: list[WriterOut] = service.live_writers(session=session) if db == "ok" and detailed else []
+    writers: list[WriterOut] = service.live_writers(session=session, own=own) if db == "ok" and detailed else []
     ok = db == "ok" and (status is None or status["state"] == "ready")
     return Health(status="ok" if ok else "degraded", database=db, writer=status, writers=writers)
+
+
+def _own(writer: Writer | None) -> service.OwnWriter | None:
+    """This process's writer with its rate read once: /healthz and /metrics show that one figure for it,
+    wherever they show it."""
+    if writer is None:
+        return None
+    return service.OwnWriter(writer.identity, writer.metrics.tokens_per_second())
 
 
 @router.api_route(
@@ -55,18 +66,21 @@ def workers(session: ReadSessionDep) -> WorkerList:
     "/metrics",
     methods=["GET", "HEAD"],
     response_class=PlainTextResponse,
-    summary="Prometheus metrics: samples by state, tokens per second, backend latency, retries by reason",
+    summary="Prometheus metrics: jobs, samples and writers by state, attempts by reason, this process's writer",
+    description="From the database (counters and small tables only, whatever the jobs' size): jobs and samples "
+    "by state, samples waiting for another attempt, the active jobs' attempts by outcome and reason code, "
+    "writers by state with each one's tokens per second and heartbeat age. With a writer in this process "
+    "(`hsx serve` without --no-writer), its own lines too, as `hsx worker --metrics-port` serves them: its "
+    "readiness and state, attempts by outcome and reason, backend request and shard write latency "
+    "histograms, tokens, samples and bytes staged, shards written, tokens per second. With --api-tokens it "
+    "needs a token like any other endpoint (a read token is enough).",
 )
 def metrics(session: ReadSessionDep, writer: WriterDep) -> PlainTextResponse:
-    lines = service.state_metrics(session=session)
-    if writer is not None:
-        lines += [
-            "# HELP hsx_writer_ready Whether the dump-root writer can extract now.",
-            "# TYPE hsx_writer_ready gauge",
-            f"hsx_writer_ready {int(writer.status.state == 'ready')}",
-        ]
-        lines += writer.metrics.render()
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    own = _own(writer)
+    lines = service.state_metrics(session=session, own=own)
+    if writer is not None and own is not None:
+        lines += writer_lines(writer, own.tokens_per_s)
+    return PlainTextResponse("\n".join(lines) + "\n", media_type=METRICS_MEDIA_TYPE)
 
 
 @router.api_route(

@@ -43,9 +43,18 @@ def _shown(default: Any) -> str:
     return "unset" if default in (None, "") else str(default)
 
 
-def add_arguments(
+# What only `hsx worker` uses: `hsx serve` answers /metrics and /healthz on its API port.
+WORKER_SETTINGS = {"metrics_port", "metrics_host"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings(parser, exclude=WORKER_SETTINGS)
+
+
+def add_settings(
     parser: argparse.ArgumentParser, exclude: frozenset[str] | set[str] = frozenset(), *, access_log: bool = True
 ) -> None:
+    """One flag per setting but those in `exclude`, and the logging flags."""
     for name, field in Settings.model_fields.items():
         if name in exclude:
             continue

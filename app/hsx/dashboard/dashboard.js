@@ -283,6 +283,7 @@ function jobsPage() {
           "Samples",
           `${fmt.count(job.counts.succeeded)} / ${fmt.count(job.counts.total)}`,
           job.counts.failed > 0 && h("div", { class: "error" }, `${fmt.count(job.counts.failed)} failed`),
+          job.attempts?.retried > 0 && h("div", { class: "muted" }, `${fmt.count(job.attempts.retried)} retried`),
         ),
         cell("Tokens", `${fmt.short(extracted(job))} / ${fmt.short(job.tokens.total)}`),
         cell("Rate", fmt.rate(job.rate_tokens_per_s)),
@@ -336,13 +337,14 @@ function jobPage(id) {
   document.title = `${id} – hsx`;
   const abort = new AbortController();
   const slots = { head: new Slot(), progress: new Slot(), counts: new Slot(), stats: new Slot(), actions: new Slot() };
-  const parts = { plot: new Slot(), failed: new Slot(), files: new Slot() };
+  const parts = { plot: new Slot(), retries: new Slot(), failed: new Slot(), files: new Slot() };
   const section = (key, title, slot) =>
     h("section", { "aria-labelledby": `${key}-title` }, h("h2", { id: `${key}-title` }, title), slot.el);
   main.replaceChildren(
     h("p", { class: "crumbs" }, h("a", { href: "#/" }, "← All jobs")),
     ...Object.values(slots).map((s) => s.el),
     section("plot", "Throughput", parts.plot),
+    section("retries", "Attempts and retries", parts.retries),
     section("failed", "Failed samples", parts.failed),
     section("files", "Manifest and shards", parts.files),
   );
@@ -363,6 +365,7 @@ function jobPage(id) {
     slots.counts.set(counts(j));
     slots.stats.set(stats(j));
     slots.actions.set(actions(j));
+    parts.retries.set(retries(j));
     if (j.counts.failed !== seen.failed) loadFailed().catch(failed);
     if (j.shards_written !== seen.shards) loadFiles().catch(failed);
     if (!TERMINAL.has(j.state)) plotFinal = false;
@@ -618,6 +621,32 @@ function counts(j) {
       .map((s) =>
         h("li", { class: `count state-${s}` }, h("span", { class: "n" }, fmt.count(j.counts[s])), h("span", {}, s)),
       ),
+  );
+}
+
+// The job's attempts as they ended, and the retried or failed ones by reason code, live: retries show
+// here while the job runs, long before a sample fails for good.
+function retries(j) {
+  const a = j.attempts || { total: 0, by_reason: {} };
+  const reasons = Object.entries(a.by_reason || {});
+  const summary = [
+    `${fmt.count(a.total)} attempt${a.total === 1 ? "" : "s"} ended: ${fmt.count(a.ok)} ok, `,
+    `${fmt.count(a.retried)} retried, ${fmt.count(a.failed)} failed, ${fmt.count(a.interrupted)} interrupted`,
+    " (given back unspent).",
+    a.waiting_retry
+      ? ` ${fmt.count(a.waiting_retry)} sample${a.waiting_retry === 1 ? "" : "s"} waiting for another attempt.`
+      : "",
+  ].join("");
+  const rows = reasons.map(([code, n]) =>
+    h("tr", {}, cell("Reason", h("span", { class: "mono" }, code || "–")), cell("Attempts", fmt.count(n))),
+  );
+  return h(
+    "div",
+    {},
+    h("p", { role: "status" }, summary),
+    rows.length
+      ? table("Retried and failed attempts by reason", ["Reason", "Attempts"], rows)
+      : h("p", { class: "muted" }, "No attempt was retried or failed."),
   );
 }
 

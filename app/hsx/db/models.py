@@ -1,5 +1,5 @@
-"""SQLAlchemy models: jobs, their samples, each sample's attempts, written shards, each job's throughput
-over time, and the writers' last reports.
+"""SQLAlchemy models: jobs, their samples, each sample's attempts and each job's count of them by outcome
+and reason, written shards, each job's throughput over time, and the writers' last reports.
 
 The schema the service runs on is the one `alembic upgrade head` makes from migrations/;
 tests/integration/test_migrations.py proves it equals these models.
@@ -76,6 +76,9 @@ class JobRow(Base):
     n_failed: Mapped[int] = mapped_column(Integer, default=0)
     n_cancelled: Mapped[int] = mapped_column(Integer, default=0)
     n_skipped: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Of the queued samples, those tried before (a retry, an interrupted attempt, a retry asked for):
+    # kept in step like the state counters, so that a job says what waits for another attempt.
+    n_requeued: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     shards_written: Mapped[int] = mapped_column(Integer, default=0)
 
     __table_args__ = (Index("ix_jobs_state", "state"),)
@@ -144,6 +147,19 @@ class AttemptRow(Base):
     boot_id: Mapped[str | None] = mapped_column(String(100))
 
     __table_args__ = (UniqueConstraint("sample_pk", "number", name="uq_attempts_sample_number"),)
+
+
+class AttemptCountRow(Base):
+    """How many of a job's attempts ended with each outcome and reason code (the reason up to its first
+    ':'), counted as each attempt ends: a job shows its retries by reason without reading its attempts.
+    An ok attempt whose values the shard writer then finds NaN or Inf moves from ok to its new outcome."""
+
+    __tablename__ = "job_attempt_counts"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    outcome: Mapped[str] = mapped_column(String(16), primary_key=True)
+    reason: Mapped[str] = mapped_column(String(100), primary_key=True)  # "" for none (ok)
+    n: Mapped[int] = mapped_column(BigInteger)
 
 
 class ShardRow(Base):

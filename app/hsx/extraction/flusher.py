@@ -326,6 +326,7 @@ class ShardFlusher:
         # writes that fail (a full disk, tried again and again by several flushers) take no number.
         # Whatever a crash leaves under such a name is removed when the job finishes.
         unnumbered = folder / f".unnumbered-{secrets.token_hex(8)}.tmp-{os.getpid()}"
+        started = time.monotonic()
         try:
             shard = write_shard(unnumbered, [p for _, p in pieces], info["layers"], info["dtype"], info["hidden_size"])
         except NonFiniteSamples as exc:
@@ -356,6 +357,7 @@ class ShardFlusher:
             out.unlink(missing_ok=True)
             self._give_back_number(job_id, number)
             raise
+        self.metrics.shard_written(time.monotonic() - started, shard.bytes)
         for x, _ in pieces:
             shutil.rmtree(_staged_dir(x), ignore_errors=True)
         log.info(

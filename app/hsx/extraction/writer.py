@@ -188,7 +188,7 @@ class Writer:
         return {
             "samples_staged": self.metrics.samples_staged,
             "tokens_extracted": self.metrics.tokens_extracted,
-            "tokens_per_s": round(self.metrics.tokens_per_second(), 1),
+            "tokens_per_s": self.metrics.tokens_per_second(),
         }
 
     def _run(self, step: Callable[[int], object], slot: int) -> None:

@@ -25,6 +25,7 @@ from hsx.sdk.errors import (
 from hsx.sdk.models import (
     TERMINAL_STATES,
     Attempt,
+    Attempts,
     Counts,
     Health,
     Job,
@@ -48,6 +49,7 @@ __all__ = [
     "TERMINAL_STATES",
     "AsyncHsxClient",
     "Attempt",
+    "Attempts",
     "ChecksumMismatch",
     "Conflict",
     "Counts",

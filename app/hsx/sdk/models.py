@@ -7,6 +7,7 @@ from hsx.manifest import Manifest, ManifestSample, ManifestShard
 from hsx.states import TERMINAL_JOB_STATES, JobState, SampleState
 from hsx.wire import AttemptOut as Attempt
 from hsx.wire import (
+    Attempts,
     Counts,
     Health,
     JobPage,
@@ -30,6 +31,7 @@ TERMINAL_STATES = TERMINAL_JOB_STATES
 __all__ = [
     "TERMINAL_STATES",
     "Attempt",
+    "Attempts",
     "Counts",
     "Health",
     "Job",

@@ -91,6 +91,20 @@ class InvalidTransition(ServiceError):
         super().__init__(409, detail, type_="/problems/invalid-transition")
 
 
+class ForeignFiles(ServiceError):
+    """A deleted job's folder holds files hsx did not write there: it is left for a person to look at."""
+
+    def __init__(self, folder: str, names: list[str]):
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(
+            409,
+            f"the folder {folder} under the output root, of a deleted job, holds what hsx does not write there "
+            f"({shown}); nothing was removed: look at it and remove it by hand",
+            type_="/problems/foreign-files",
+            foreign_files=names,
+        )
+
+
 class NotStored(ServiceError):
     """The sample has no stored rows (yet, or ever)."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from hsx.db import repository as repo
+from hsx.db.models import JobRow
 from hsx.service.errors import InvalidInput
 from hsx.service.jobs import get_job, get_sample
 from hsx.service.views import job_out, sample_out, shard_out, throughput_out
@@ -17,23 +18,28 @@ def job_page(*, session: Session, state: str | None, after: str | None, limit: i
     rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
     page = rows[:limit]
     waiting = repo.waiting(session)
+    attempts = repo.attempt_counts(session, [j.id for j in page])
     return JobPage(
-        data=[job_out(j, waiting.reason(j)) for j in page],
+        data=[job_out(j, waiting.reason(j), attempts.get(j.id)) for j in page],
         has_more=len(rows) > limit,
         next_after=page[-1].id if len(rows) > limit else None,
     )
 
 
 def job_view(*, session: Session, job_id: str) -> JobOut:
-    """The job with its progress and why it waits, or NotFound."""
-    job = get_job(session=session, job_id=job_id)
-    return job_out(job, repo.waiting(session).reason(job))
+    """The job with its progress, attempts and why it waits, or NotFound."""
+    return job_answer(session=session, job=get_job(session=session, job_id=job_id))
 
 
 def job_view_if_any(*, session: Session, job_id: str) -> JobOut | None:
     """As job_view, None for a job that is not (or no longer) there: a stream of its events ends quietly."""
     job = repo.get_job(session, job_id)
-    return job_out(job, repo.waiting(session).reason(job)) if job else None
+    return job_answer(session=session, job=job) if job else None
+
+
+def job_answer(*, session: Session, job: JobRow) -> JobOut:
+    """A job as read (or as an action left it): with its attempts and why it waits."""
+    return job_out(job, repo.waiting(session).reason(job), repo.attempt_counts(session, [job.id]).get(job.id))
 
 
 def job_throughput(*, session: Session, job_id: str, points: int, now: float) -> Throughput:

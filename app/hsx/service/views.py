@@ -12,6 +12,7 @@ from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
 from hsx.states import JobState
 from hsx.wire import (
     AttemptOut,
+    Attempts,
     Counts,
     JobOptions,
     JobOut,
@@ -26,8 +27,9 @@ from hsx.wire import (
 )
 
 
-def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
-    """A job, its rate and ETA; `waiting` is why it makes no progress if active (see hsx.matching.Waiting)."""
+def job_out(job: JobRow, waiting: str | None = None, attempts: list[tuple[str, str, int]] | None = None) -> JobOut:
+    """A job, its rate and ETA; `waiting` is why it makes no progress if active (see hsx.matching.Waiting);
+    `attempts` its counts of ended attempts (repo.attempt_counts), none for a job just created."""
     rate = eta = None
     started = utc(job.started_at)
     if started is not None:
@@ -64,6 +66,7 @@ def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
             skipped=job.n_skipped,
         ),
         tokens=Tokens(total=job.tokens_total, done=job.tokens_done, staged=job.tokens_staged),
+        attempts=attempts_out(attempts or [], job.n_requeued or 0),
         rate_tokens_per_s=rate,
         eta_s=eta,
         shards_written=job.shards_written,
@@ -73,6 +76,29 @@ def job_out(job: JobRow, waiting: str | None = None) -> JobOut:
         model=job.model_info,
         options=JobOptions.model_validate(job.options or {}),
         manifest_url=f"/v1/jobs/{job.id}/manifest",
+    )
+
+
+# Outcomes of an attempt that spent the sample's budget for a reason.
+SPENT = ("retry", "failed")
+
+
+def attempts_out(counts: list[tuple[str, str, int]], requeued: int) -> Attempts:
+    """A job's ended attempts from its (outcome, reason code, n) counts."""
+    by_outcome: dict[str, int] = {}
+    by_reason: dict[str, int] = {}
+    for outcome, reason, n in counts:
+        by_outcome[outcome] = by_outcome.get(outcome, 0) + n
+        if outcome in SPENT:
+            by_reason[reason] = by_reason.get(reason, 0) + n
+    return Attempts(
+        total=sum(by_outcome.values()),
+        ok=by_outcome.get("ok", 0),
+        retried=by_outcome.get("retry", 0),
+        failed=by_outcome.get("failed", 0),
+        interrupted=by_outcome.get("interrupted", 0),
+        by_reason=dict(sorted(by_reason.items(), key=lambda kv: (-kv[1], kv[0]))),
+        waiting_retry=requeued,
     )
 
 

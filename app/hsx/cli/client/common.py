@@ -123,8 +123,9 @@ def duration(seconds: float | None) -> str:
 
 
 def progress_line(job: Job, width: int = 30) -> str:
-    """One line: bar, state, samples and tokens extracted, rate, ETA, failures (and cancelled samples)."""
-    c, t = job.counts, job.tokens
+    """One line: bar, state, samples and tokens extracted, rate, ETA, failures, retried attempts (and
+    cancelled samples)."""
+    c, t, a = job.counts, job.tokens, job.attempts
     extracted = t.done + t.staged
     filled = min(width, int(width * extracted / max(t.total, 1)))
     rate = f"{job.rate_tokens_per_s:.0f} tok/s" if job.rate_tokens_per_s else "- tok/s"
@@ -132,6 +133,7 @@ def progress_line(job: Job, width: int = 30) -> str:
         f"[{'#' * filled}{'.' * (width - filled)}] {job.state:<9} "
         f"{c.succeeded + c.staged}/{c.total} samples  {extracted}/{t.total} tokens  {rate}  "
         f"ETA {duration(job.eta_s)}  failed {c.failed}"
+        + (f"  retried {a.retried}" if a.retried else "")
         + (f"  cancelled {c.cancelled}" if c.cancelled else "")
         + (f"  preparing {c.preparing}" if c.preparing else "")
         + (f"  skipped {c.skipped}" if c.skipped else "")

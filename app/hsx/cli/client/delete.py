@@ -13,18 +13,27 @@ if TYPE_CHECKING:
 NAME = "delete"
 HELP = "delete a finished job (and with --files its shards and manifest)"
 DESCRIPTION = f"""Delete a finished (succeeded, partial, failed or cancelled) job's records from the service's database.
-With --files the service also deletes the job's shards and manifest.json from its output root. A queued or
-running job must be cancelled first (exit 2). --json prints {{"deleted": JOB, "files": true|false}}.
+With --files the service also deletes the job's folder (shards and manifest.json) from its output root; without
+it the folder stays, and a later `hsx delete JOB --files` removes it, also once the records are gone (as long as
+the folder holds only what hsx writes there). A queued or running job must be cancelled first (exit 2).
+--json prints {{"deleted": JOB, "files": true|false}}.
 {ENV_NOTE}
 
-example:
+examples:
   hsx delete job_0123abcd --files
+  hsx delete job_0123abcd            # the records only; the files stay
+  hsx delete job_0123abcd --files    # later: the files the first delete left
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job id")
-    parser.add_argument("--files", action="store_true", help="also delete its shards and manifest on the service")
+    parser.add_argument(
+        "--files",
+        action="store_true",
+        help="also delete its folder (shards and manifest) on the service; for a job deleted before without "
+        "--files, delete the folder that delete left",
+    )
     add_common(parser)
 
 
@@ -34,7 +43,14 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             print_json({"deleted": args.job, "files": args.files})
         else:
-            print(f"deleted {args.job}" + (" and its files" if args.files else " (its files are kept)"))
+            print(f"deleted {args.job} and its files" if args.files else kept(args.job))
         return 0
 
     return run(args, body)
+
+
+def kept(job: str) -> str:
+    return (
+        f"deleted {job}'s records; its files stay in the folder {job} under the service's output root "
+        f"(remove them with: hsx delete {job} --files)"
+    )

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 NAME = "status"
 HELP = "show a job's progress (bar, rate, ETA); --watch follows it until it finishes"
-DESCRIPTION = f"""Show a job's state and progress: samples and tokens extracted, rate, ETA, failures.
+DESCRIPTION = f"""Show a job's state and progress: samples and tokens extracted, rate, ETA, failures, and its
+attempts: how many ended ok, were retried or failed, the retries by reason code, and the samples waiting for
+another attempt.
 
 On a terminal, --watch redraws one progress line in place until the job is succeeded, partial, failed or
 cancelled (exit 0 when it succeeded, 3 when partial: some samples failed, 1 otherwise); when the output
@@ -57,6 +59,22 @@ def describe(job: Job) -> list[str]:
         )
     if job.error:
         lines.append(f"error: {job.error}")
+    return lines + attempt_lines(job)
+
+
+def attempt_lines(job: Job) -> list[str]:
+    """The job's attempts by outcome, its retries by reason code, and what waits for another attempt."""
+    a = job.attempts
+    if not a.total and not a.waiting_retry:
+        return []
+    outcomes = [f"{n} {what}" for n, what in ((a.ok, "ok"), (a.retried, "retried"), (a.failed, "failed")) if n]
+    if a.interrupted:
+        outcomes.append(f"{a.interrupted} interrupted")
+    lines = [f"attempts {a.total}: {', '.join(outcomes) or 'none ended'}"]
+    if a.by_reason:
+        lines.append("retries by reason: " + ", ".join(f"{code or '-'} {n}" for code, n in a.by_reason.items()))
+    if a.waiting_retry:
+        lines.append(f"waiting for another attempt: {a.waiting_retry} sample(s)")
     return lines
 
 

@@ -3,6 +3,7 @@
 
 - jobs: creating a job with its samples; cancel, retry, delete, fail and finish a job as a whole;
 - samples: a writer's claim of the next sample, its attempts, what it staged or left behind;
+- attempts: each job's attempts counted by outcome and reason code as they end;
 - shards: numbering and recording written shards;
 - reads: jobs, samples, attempts and shards, one or a page at a time;
 - throughput: what each job extracted over time;
@@ -16,6 +17,7 @@ name of the modules is here.
 from __future__ import annotations
 
 from hsx.db.repository._base import utcnow
+from hsx.db.repository.attempts import attempt_counts, reason_code
 from hsx.db.repository.jobs import (
     JobBuilder,
     NewSample,
@@ -27,6 +29,7 @@ from hsx.db.repository.jobs import (
     fail_job,
     final_state,
     finish_job_if_done,
+    is_job_id,
     job_by_idempotency_key,
     new_job_id,
     pending_output_bytes,
@@ -44,6 +47,7 @@ from hsx.db.repository.preparing import (
     store_prepared,
 )
 from hsx.db.repository.reads import (
+    active_attempt_counts,
     get_job,
     get_sample,
     get_shard,
@@ -53,6 +57,7 @@ from hsx.db.repository.reads import (
     list_jobs,
     list_samples,
     ping,
+    requeued_samples,
     sample_attempts,
     samples_by_state,
 )
@@ -94,7 +99,9 @@ __all__ = [
     "Prepared",
     "ThroughputPoint",
     "ToPrepare",
+    "active_attempt_counts",
     "all_writers",
+    "attempt_counts",
     "cancel_job",
     "cancel_queued",
     "cancelling_jobs",
@@ -111,6 +118,7 @@ __all__ = [
     "get_job",
     "get_sample",
     "get_shard",
+    "is_job_id",
     "iter_stored_samples",
     "job_by_idempotency_key",
     "job_shards",
@@ -126,6 +134,7 @@ __all__ = [
     "pin_job_model",
     "ping",
     "queued_left",
+    "reason_code",
     "record_failed_attempt",
     "record_output_root",
     "recorded_output_root",
@@ -137,6 +146,7 @@ __all__ = [
     "renew_lease",
     "report_writer_stopped",
     "requeue_staged",
+    "requeued_samples",
     "reserve_shard_number",
     "retry_failed",
     "running_samples",

@@ -3,6 +3,7 @@ fail, finish)."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections import Counter
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, ThroughputRow
+from hsx.db.models import AttemptCountRow, AttemptRow, JobRow, SampleRow, ShardRow, ThroughputRow
 from hsx.db.repository._base import _rowcount, utcnow
 from hsx.db.repository.transitions import ALL, _lock_job, _transition
 from hsx.matching import Serves, layers_key
@@ -25,6 +26,14 @@ if TYPE_CHECKING:
 def new_job_id() -> str:
     # Time-ordered so that ids sort by creation: cursor pagination and claim order rely on it.
     return f"job_{int(time.time() * 1000):012x}{secrets.token_hex(4)}"
+
+
+_JOB_ID = re.compile(r"job_[0-9a-f]{20}")
+
+
+def is_job_id(text: str) -> bool:
+    """Whether `text` has the form new_job_id gives every job id (and so every job folder's name)."""
+    return _JOB_ID.fullmatch(text) is not None
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,7 @@ class JobBuilder:
             n_failed=0,
             n_cancelled=0,
             n_skipped=0,
+            n_requeued=0,
             shards_written=0,
         )
         session.add(self.job)
@@ -265,6 +275,7 @@ def delete_job(session: Session, job_id: str) -> bool | None:
     session.execute(delete(SampleRow).where(SampleRow.job_id == job_id))
     session.execute(delete(ShardRow).where(ShardRow.job_id == job_id))
     session.execute(delete(ThroughputRow).where(ThroughputRow.job_id == job_id))
+    session.execute(delete(AttemptCountRow).where(AttemptCountRow.job_id == job_id))
     session.execute(delete(JobRow).where(JobRow.id == job_id))
     return True
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from sqlalchemy import Row, func, select, text
 from sqlalchemy.orm import Session
 
-from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow
+from hsx.db.models import AttemptCountRow, AttemptRow, JobRow, SampleRow, ShardRow
 from hsx.names import could_be_stored
-from hsx.states import SampleState
+from hsx.states import ACTIVE_JOB_STATES, SampleState
 
 
 def get_job(session: Session, job_id: str) -> JobRow | None:
@@ -108,3 +108,21 @@ def samples_by_state(session: Session) -> dict[SampleState, int]:
     """How many samples are in each state over all jobs, summed from the jobs' counters."""
     sums = session.execute(select(*[func.coalesce(func.sum(getattr(JobRow, f"n_{s}")), 0) for s in SampleState])).one()
     return dict(zip(SampleState, sums, strict=True))
+
+
+def requeued_samples(session: Session) -> int:
+    """Queued samples tried before (waiting for another attempt), over all jobs, from the jobs' counters."""
+    return int(session.execute(select(func.coalesce(func.sum(JobRow.n_requeued), 0))).scalar_one())
+
+
+def active_attempt_counts(session: Session) -> list[tuple[str, str, int]]:
+    """(outcome, reason code, attempts) summed over the active jobs (queued, running, cancelling): a few
+    rows per job, found through the jobs' state index."""
+    rows = session.execute(
+        select(AttemptCountRow.outcome, AttemptCountRow.reason, func.sum(AttemptCountRow.n))
+        .join(JobRow, JobRow.id == AttemptCountRow.job_id)
+        .where(JobRow.state.in_(ACTIVE_JOB_STATES))
+        .group_by(AttemptCountRow.outcome, AttemptCountRow.reason)
+        .order_by(AttemptCountRow.outcome, AttemptCountRow.reason)
+    ).all()
+    return [(outcome, reason, int(n)) for outcome, reason, n in rows if n]

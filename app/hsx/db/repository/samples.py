@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from hsx.db.models import AttemptRow, SampleRow
 from hsx.db.repository._base import PKS_PER_QUERY, _attempts, _dialect, _jobs, _now_param, _samples, utcnow
+from hsx.db.repository.attempts import _count_attempt
 from hsx.db.repository.preparing import release_preparing
 from hsx.db.repository.throughput import _count_throughput
 from hsx.db.repository.transitions import _requeue_state, _transition
@@ -59,6 +60,7 @@ def claim_next(session: Session, writer: str, serves: Serves | None = None) -> C
     row = session.execute(statements.sample, params).first()
     if row is None:
         return None
+    params["p_retried"] = int(row.tries > 1)  # it was tried before: one queued sample less waits for a retry
     job = session.execute(statements.counters, params).one()
     attempt_pk = session.execute(
         statements.attempt, {"p_pk": row.pk, "p_number": row.tries, "p_writer": writer, "p_now": now}
@@ -140,6 +142,7 @@ def _claim(dialect: str, by_layers: bool, by_model: bool) -> _ClaimStatements:
         .where(_jobs.c.id == bindparam("p_job"))
         .values(
             n_queued=_jobs.c.n_queued - 1,
+            n_requeued=_jobs.c.n_requeued - bindparam("p_retried"),
             n_running=_jobs.c.n_running + 1,
             state=case((first, JobState.RUNNING), else_=_jobs.c.state),
             started_at=case((first, _now_param()), else_=_jobs.c.started_at),
@@ -217,6 +220,7 @@ def mark_staged(
     )
     if moved:
         _count_throughput(session, c.job_id, samples=1, tokens=observed_tokens)
+        _count_attempt(session, c.job_id, "ok", None)
     return moved == 1
 
 
@@ -242,10 +246,11 @@ def record_failed_attempt(
 ) -> SampleState:
     """Close a failed attempt; queue the sample again, or fail it once its budget is spent."""
     final = c.attempt >= max_attempts
+    outcome = "failed" if final else "retry"
     _close_attempt(
         session,
         c.attempt_pk,
-        "failed" if final else "retry",
+        outcome,
         reason,
         observed_tokens=observed_tokens,
         dump_key=dump_key,
@@ -255,21 +260,23 @@ def record_failed_attempt(
     values = {"last_error": reason, "observed_tokens": observed_tokens}
     if not final:
         values["writer"] = None
-    _transition(session, c.job_id, [c.sample_pk], SampleState.RUNNING, dst, values)
+    if _transition(session, c.job_id, [c.sample_pk], SampleState.RUNNING, dst, values):
+        _count_attempt(session, c.job_id, outcome, reason)
     return dst
 
 
 def release_interrupted(session: Session, c: Claimed, *, reason: str) -> None:
     """Give the sample back without spending an attempt: the server, not the sample, failed."""
     _close_attempt(session, c.attempt_pk, "interrupted", reason)
-    _transition(
+    if _transition(
         session,
         c.job_id,
         [c.sample_pk],
         SampleState.RUNNING,
         _requeue_state(session, c.job_id),
         {"writer": None, "attempts": SampleRow.attempts - 1, "last_error": reason},
-    )
+    ):
+        _count_attempt(session, c.job_id, "interrupted", reason)
 
 
 def _writer_or_slots(writer: str) -> ColumnElement[bool]:
@@ -298,7 +305,7 @@ def recover_writer(
             .where(AttemptRow.sample_pk == pk, AttemptRow.outcome.is_(None))
             .values(outcome="interrupted", reason=why, finished_at=utcnow())
         )
-        requeued += _transition(
+        moved = _transition(
             session,
             job_id,
             [pk],
@@ -306,6 +313,9 @@ def recover_writer(
             _requeue_state(session, job_id),
             {"writer": None, "attempts": SampleRow.attempts - 1},
         )
+        if moved:
+            _count_attempt(session, job_id, "interrupted", why)
+        requeued += moved
     staged = session.execute(
         select(SampleRow.pk, SampleRow.job_id, SampleRow.staged_path).where(
             SampleRow.writer == writer, SampleRow.state == SampleState.STAGED
@@ -375,10 +385,11 @@ def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_at
     budget is spent; returns the state it went to."""
     attempts, number = session.execute(select(SampleRow.attempts, SampleRow.tries).where(SampleRow.pk == pk)).one()
     final = attempts >= max_attempts
+    outcome = "failed" if final else "retry"
     session.execute(
         update(AttemptRow)
         .where(AttemptRow.sample_pk == pk, AttemptRow.number == number)
-        .values(outcome="failed" if final else "retry", reason=reason)
+        .values(outcome=outcome, reason=reason)
     )
     dst = SampleState.FAILED if final else _requeue_state(session, job_id)
     values = {"last_error": reason, "staged_path": None}
@@ -386,4 +397,7 @@ def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_at
         values["writer"] = None
     if _transition(session, job_id, [pk], SampleState.STAGED, dst, values) != 1:
         raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
+    # The attempt that staged it counted as ok: it counts under its new outcome now.
+    _count_attempt(session, job_id, "ok", None, -1)
+    _count_attempt(session, job_id, outcome, reason)
     return dst

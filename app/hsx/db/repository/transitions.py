@@ -2,7 +2,8 @@
 
 A sample's life: queued -> running -> staged -> succeeded, or back to queued for a retry,
 or failed / cancelled. Each move is a conditional UPDATE on the source state, and the job's
-per-state counters move in the same transaction, so progress never needs to count rows.
+per-state counters move in the same transaction (n_requeued too: the queued samples tried before),
+so progress never needs to count rows.
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ def _transition(
         which = [SampleRow.job_id == job_id, SampleRow.state == src]
         if through_idx is not None:
             which.append(SampleRow.idx <= through_idx)
-        rc, tokens = session.execute(
-            select(func.count(), func.coalesce(func.sum(SampleRow.num_tokens), 0)).where(*which)
+        rc, tokens, tried = session.execute(
+            select(
+                func.count(),
+                func.coalesce(func.sum(SampleRow.num_tokens), 0),
+                func.coalesce(func.sum(case((SampleRow.tries > 0, 1), else_=0)), 0),
+            ).where(*which)
         ).one()
         if rc:
             result = session.execute(
@@ -82,16 +87,18 @@ def _transition(
                 update(_samples)
                 .where(_samples.c.pk.in_(pks), _samples.c.state == src)
                 .values(stamp)
-                .returning(_samples.c.num_tokens)
+                .returning(_samples.c.num_tokens, _samples.c.tries)
             )
             params = {}
         else:
             statement = _sample_move(tuple(sorted(values)))
             params = {"p_pks": pks, "p_src": src, "p_dst": dst, "p_now": now} | {f"v_{k}": v for k, v in values.items()}
-        moved = session.execute(statement, params).scalars().all()
-        rc, tokens = len(moved), sum(moved)
+        moved = session.execute(statement, params).all()
+        rc, tokens, tried = len(moved), sum(n for n, _ in moved), sum(1 for _, t in moved if t > 0)
     if rc:
-        session.execute(_job_counters(src, dst), {"p_job": job_id, "p_rc": rc, "p_tokens": tokens})
+        session.execute(
+            _job_counters(src, dst), {"p_job": job_id, "p_rc": rc, "p_tokens": tokens, "p_tried": int(tried)}
+        )
     return rc
 
 
@@ -108,15 +115,21 @@ def _sample_move(columns: tuple[str, ...]) -> ReturningUpdate[Any]:
         update(_samples)
         .where(_samples.c.pk.in_(bindparam("p_pks", expanding=True)), _samples.c.state == bindparam("p_src"))
         .values(state=bindparam("p_dst"), updated_at=_now_param(), **{c: bindparam(f"v_{c}") for c in columns})
-        .returning(_samples.c.num_tokens)
+        .returning(_samples.c.num_tokens, _samples.c.tries)
     )
 
 
 @functools.cache
 def _job_counters(src: SampleState, dst: SampleState) -> Update:
-    """The job's counters follow p_rc samples (of p_tokens tokens) from `src` to `dst`."""
+    """The job's counters follow p_rc samples (of p_tokens tokens, p_tried of them tried before) from
+    `src` to `dst`."""
     src_col, dst_col = _jobs.c[f"n_{src}"], _jobs.c[f"n_{dst}"]
     changes = {src_col: src_col - bindparam("p_rc"), dst_col: dst_col + bindparam("p_rc")}
+    requeued = _jobs.c.n_requeued  # the queued samples tried before
+    if src == SampleState.QUEUED:
+        changes[requeued] = requeued - bindparam("p_tried")
+    if dst == SampleState.QUEUED:
+        changes[requeued] = requeued + bindparam("p_tried")
     for state, column in TOKEN_COUNTERS.items():
         col = _jobs.c[column.key]
         if state == src:

@@ -2,7 +2,7 @@
 samples.conversation
 
 Revision ID: 0009
-Revises: 0007
+Revises: 0008
 Create Date: 2026-12-03
 """
 
@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0009"
-down_revision = "0007"  # re-pointed when 0008 lands
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

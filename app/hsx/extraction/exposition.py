@@ -1,0 +1,124 @@
+"""What a writer says about itself over HTTP: its Prometheus lines (its state and its counters) and its
+health. The API's /metrics and /healthz carry them for the writer of `hsx serve`; an `hsx worker`, which
+has no API, serves them on --metrics-port from a small HTTP server on a thread of its own, so that a
+scrape or a probe never waits for the writer's work."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from hsx.extraction.metrics import label
+
+if TYPE_CHECKING:
+    from hsx.extraction.writer import Writer
+
+log = logging.getLogger("hsx.writer")
+
+WRITER_STATES = ("starting", "ready", "waiting", "refusing", "stopped")
+# A writer waiting for its model server or for room on the output disk is working as it should: it goes
+# on by itself. Starting, refusing (a server it must not extract from) or stopped is not.
+HEALTHY_STATES = ("ready", "waiting")
+METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def writer_lines(writer: Writer, tokens_per_s: float | None = None) -> list[str]:
+    """The writer's Prometheus lines: whether it is ready, its state, and its counters; `tokens_per_s`
+    its rate as the caller read it for the rest of its answer."""
+    identity, state = label(writer.identity), writer.status.state
+    lines = [
+        "# HELP hsx_writer_ready Whether this process's dump-root writer can extract now.",
+        "# TYPE hsx_writer_ready gauge",
+        f'hsx_writer_ready{{identity="{identity}"}} {int(state == "ready")}',
+        "# HELP hsx_writer_state The writer's state: 1 for the one it is in.",
+        "# TYPE hsx_writer_state gauge",
+    ]
+    lines += [f'hsx_writer_state{{identity="{identity}",state="{s}"}} {int(s == state)}' for s in WRITER_STATES]
+    return lines + writer.metrics.render(tokens_per_s)
+
+
+def writer_health(writer: Writer) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body) of the writer's health: 200 while it is ready or waiting, else 503."""
+    status = writer.status
+    healthy = status.state in HEALTHY_STATES
+    body = {
+        "status": "ok" if healthy else "unavailable",
+        "writer": {
+            "identity": writer.identity,
+            "state": status.state,
+            "reason": status.reason,
+            "since": datetime.fromtimestamp(status.since, timezone.utc).isoformat(),
+            "tokens_per_s": writer.metrics.tokens_per_second(),
+        },
+    }
+    return (200 if healthy else 503), body
+
+
+class MetricsServer:
+    """GET (and HEAD) /metrics and /healthz of one writer, on `host`:`port`; anything else is a 404. No
+    token is asked for: bind it where only the monitoring reaches it. Binding fails (OSError) at once,
+    so that a port in use stops the worker before it starts."""
+
+    def __init__(self, writer: Writer, host: str, port: int):
+        self.server = ThreadingHTTPServer((host, port), _handler(writer))
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever, name="hsx-metrics", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.server.server_address[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("metrics and health on http://%s:%d/metrics and /healthz", *self.address)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _handler(writer: Writer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "hsx-worker"
+
+        def do_GET(self) -> None:
+            self._answer(body=True)
+
+        def do_HEAD(self) -> None:
+            self._answer(body=False)
+
+        def _answer(self, *, body: bool) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                status, media, data = 200, METRICS_MEDIA_TYPE, "\n".join(writer_lines(writer)) + "\n"
+            elif path == "/healthz":
+                status, health = writer_health(writer)
+                media, data = "application/json", json.dumps(health)
+            else:
+                status, media = 404, "application/problem+json"
+                data = json.dumps(
+                    {
+                        "type": "/problems/not-found",
+                        "title": "Not Found",
+                        "status": 404,
+                        "detail": "this port serves GET /metrics and GET /healthz only",
+                    }
+                )
+            payload = data.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", media)
+            self.send_header("Content-Length", str(len(payload)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            if body:
+                self.wfile.write(payload)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("metrics port: " + format, *args)
+
+    return Handler
