@@ -14,10 +14,8 @@ from fastapi.testclient import TestClient
 
 from hsx.api.app import create_app
 from hsx.config import Settings
-from hsx.db.engine import make_engine, session_factory, upgrade
-from hsx.extraction.output_root import shared_output_root
 from hsx.manifest import MANIFEST_NAME
-from tests.support.api import problem, stored_rows
+from tests.support.api import api_only_settings, problem, stored_rows
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -25,23 +23,7 @@ CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory) -> Settings:
-    tmp = tmp_path_factory.mktemp("policies")
-    (tmp / "input").mkdir()
-    settings = Settings(
-        database_url=f"sqlite:///{tmp / 'hsx.db'}",
-        output_root=tmp / "output",
-        input_root=tmp / "input",
-        dump_root=tmp / "dumps",
-        backend_url="http://127.0.0.1:9",
-        run_writer=False,
-        api_tokens="",
-    )
-    engine = make_engine(settings.database_url)
-    upgrade(engine)
-    with session_factory(engine).begin() as session:
-        shared_output_root(session, settings.output_root, mark=True)
-    engine.dispose()
-    return settings
+    return api_only_settings(tmp_path_factory.mktemp("policies"))
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ from fastapi.testclient import TestClient
 
 from hsx.api.app import create_app
 from hsx.config import Settings
-from hsx.db.engine import make_engine, session_factory, upgrade
+from hsx.db.engine import make_engine, session_factory
 from hsx.extraction.exposition import MetricsServer
-from hsx.extraction.output_root import shared_output_root
 from hsx.extraction.writer import Writer
+from tests.support.api import migrated
 from tests.support.metrics import (
     PROMETHEUS_OWN,
     dashboard,
@@ -45,12 +45,7 @@ def settings_for(tmp: Path, dump_root: str) -> Settings:
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("exposition")
-    settings = settings_for(tmp, "dumps")
-    engine = make_engine(settings.database_url)
-    upgrade(engine)
-    with session_factory(engine).begin() as session:
-        shared_output_root(session, settings.output_root, mark=True)
-    engine.dispose()
+    migrated(settings_for(tmp, "dumps"))
     return tmp
 
 

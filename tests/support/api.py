@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 from sqlalchemy import func, select
 
-from hsx.db.engine import make_engine
+from hsx.config import Settings
+from hsx.db.engine import make_engine, session_factory, upgrade
 from hsx.db.models import JobRow, SampleRow
+from hsx.extraction.output_root import shared_output_root
 
 
 def problem(resp, status: int) -> dict:
@@ -63,3 +66,29 @@ class RawUpload:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def api_only_settings(tmp: Path) -> Settings:
+    """What `hsx serve --no-writer` would run with in `tmp`: a migrated SQLite database and a marked output
+    root; the model server's address answers nothing, so only the model-independent checks apply."""
+    (tmp / "input").mkdir(exist_ok=True)
+    settings = Settings(
+        database_url=f"sqlite:///{tmp / 'hsx.db'}",
+        output_root=tmp / "output",
+        input_root=tmp / "input",
+        dump_root=tmp / "dumps",
+        backend_url="http://127.0.0.1:9",
+        run_writer=False,
+        api_tokens="",
+    )
+    migrated(settings)
+    return settings
+
+
+def migrated(settings: Settings) -> None:
+    """The settings' database migrated, and its output root marked as that database's."""
+    engine = make_engine(settings.database_url)
+    upgrade(engine)
+    with session_factory(engine).begin() as session:
+        shared_output_root(session, settings.output_root, mark=True)
+    engine.dispose()
