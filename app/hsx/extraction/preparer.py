@@ -70,7 +70,8 @@ class Preparer:
 
     def step(self) -> bool:
         """Prepare one batch of the oldest job with conversations left; whether there was one."""
-        self.server.ensure()  # what model the server runs: whose template, which jobs
+        # What model the server runs (whose template, which jobs), as the request loops last checked it:
+        # the preparer never checks the server itself, whose verdict those loops report.
         model_key = Serves.of(self.server.layers, self.server.model_info).model
         for job_id, raw in self.db.run(lambda s: repo.jobs_to_prepare(s, model_key)):
             options = JobOptions.model_validate(raw or {})
