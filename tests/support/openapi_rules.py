@@ -4,7 +4,12 @@ operations' descriptions say. Each positive case (one the document calls valid) 
 with them, so that positive_data_acceptance still fails on any other 422; negative cases are sent
 as generated.
 
-- a sample's loss_mask has one value per input id;
+- a sample is token ids or a conversation, not both, and a loss_mask goes with token ids, one value per id
+  (here every sample is made token ids: a conversation's turns must have known roles and text, which the
+  document cannot state);
+- a job that regenerates answers takes conversations (here: none regenerates);
+- a sample longer than max_length refuses the request unless length_policy is truncate or skip (here:
+  truncate);
 - sample ids are unique within a job (an absent id is the sample's index);
 - a job's layers are ascending;
 - input_path names a file under the service's input root (the test puts INPUT_FILE there);
@@ -35,6 +40,9 @@ def follow_rules(context: schemathesis.HookContext, case: schemathesis.Case) -> 
         _key_per_body(case.headers, case.body)
     if case.query:
         case.query.pop("after", None)
+        case.query.pop("regenerate_max_new_tokens", None)
+        if case.query.get("max_length") is not None and case.query.get("length_policy") in (None, "reject"):
+            case.query["length_policy"] = "truncate"
     return case
 
 
@@ -42,13 +50,20 @@ def _follow_job_rules(body: dict[str, Any]) -> None:
     samples = body.get("samples")
     if isinstance(samples, list):
         for sample in samples:
-            ids, mask = sample.get("input_ids"), sample.get("loss_mask")
+            sample.pop("messages", None)
+            sample.pop("conversations", None)
+            if not isinstance(sample.get("input_ids"), list) or not sample["input_ids"]:
+                sample["input_ids"] = [1]
+            ids, mask = sample["input_ids"], sample.get("loss_mask")
             if isinstance(mask, list) and len(mask) != len(ids):
                 sample["loss_mask"] = (mask + [1] * len(ids))[: len(ids)]
         effective = [str(s["id"]) if s.get("id") is not None else str(i) for i, s in enumerate(samples)]
         if len(set(effective)) != len(effective):
             for i, sample in enumerate(samples):
                 sample["id"] = str(i)
+    body.pop("regenerate", None)
+    if body.get("max_length") is not None and body.get("length_policy") in (None, "reject"):
+        body["length_policy"] = "truncate"
     if isinstance(body.get("layers"), list):
         body["layers"] = sorted(body["layers"])
     if isinstance(body.get("input_path"), str):

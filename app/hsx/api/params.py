@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from hsx.names import MAX_LENGTH, PATTERN, PlainText
 from hsx.service.errors import InvalidInput
-from hsx.wire import InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
+from hsx.wire import MAX_NEW_TOKENS, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
 
 
 def _in_path(description: str) -> Any:
@@ -43,7 +43,9 @@ NameQuery = Annotated[PlainText | None, _in_query("job name (NDJSON bodies only)
 
 def ndjson_options(
     *,
-    max_length: Annotated[int | None, Query(ge=1, description="the most tokens a sample may have")] = None,
+    max_length: Annotated[
+        int | None, Query(ge=1, le=2**31 - 1, description="the most tokens a sample may have")
+    ] = None,
     length_policy: Annotated[
         LengthPolicy, Query(description="a sample over max_length: truncate, skip or reject (see JobCreate)")
     ] = "reject",
@@ -53,12 +55,13 @@ def ndjson_options(
     loss: Annotated[LossPolicy, Query(description="a conversation's loss mask (see JobCreate)")] = "assistant",
     tokenizer: Annotated[str | None, Query(max_length=4096, description="tokenizer folder for conversations")] = None,
     regenerate_max_new_tokens: Annotated[
-        int | None, Query(description="regenerate every assistant turn, at most this many tokens each")
+        int | None,
+        Query(ge=1, le=MAX_NEW_TOKENS, description="regenerate every assistant turn, at most this many tokens each"),
     ] = None,
-    regenerate_temperature: Annotated[float, Query()] = 0.0,
-    regenerate_top_p: Annotated[float, Query()] = 1.0,
-    regenerate_seed: Annotated[int | None, Query()] = None,
-    regenerate_concurrency: Annotated[int, Query()] = 8,
+    regenerate_temperature: Annotated[float, Query(ge=0, le=10)] = 0.0,
+    regenerate_top_p: Annotated[float, Query(gt=0, le=1)] = 1.0,
+    regenerate_seed: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
+    regenerate_concurrency: Annotated[int, Query(ge=1, le=256)] = 8,
 ) -> JobOptions:
     """An NDJSON body's job options, from the query string: the fields of JobCreate (NDJSON bodies only;
     `regenerate` flattened as regenerate_<field>)."""
