@@ -74,7 +74,7 @@ def run(n: int, args: argparse.Namespace, tmp: Path, database_url: str) -> float
         ]
         started = time.monotonic()
         job_id = httpx.post(api + "/v1/jobs", json={"samples": samples}, timeout=60).json()["id"]
-        while (state := httpx.get(f"{api}/v1/jobs/{job_id}").json()["state"]) not in ("succeeded", "failed"):
+        while (state := httpx.get(f"{api}/v1/jobs/{job_id}").json()["state"]) not in ("succeeded", "partial", "failed"):
             time.sleep(0.1)
         elapsed = time.monotonic() - started
         if state != "succeeded":
