@@ -6,14 +6,14 @@ import argparse
 import os
 import stat
 import sys
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, get_args
 
 from pydantic import ValidationError
 
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, add_quiet, follow, outcome, print_json, run
 from hsx.cli.progress import PROGRESS_NOTE, progress
 from hsx.layers import layers_arg
-from hsx.wire import JobOptions
+from hsx.wire import InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
 
 if TYPE_CHECKING:
     from hsx.sdk import HsxClient, Job
@@ -66,27 +66,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
 
 
+# The flags' choices and defaults are the API's own (hsx.wire), never a second list.
+_DEFAULTS = JobOptions.model_validate({})
+
+
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     """The job's options (hsx.wire.JobOptions) as flags."""
     group = parser.add_argument_group("samples and conversations")
     group.add_argument("--max-length", type=int, metavar="N", help="the most tokens a sample may have")
     group.add_argument(
         "--length-policy",
-        choices=["truncate", "skip", "reject"],
-        default="reject",
+        choices=get_args(LengthPolicy),
+        default=_DEFAULTS.length_policy,
         help="a sample over --max-length (or the server's limit): keep its first N tokens, skip it, or refuse the "
         "whole job (default: %(default)s)",
     )
     group.add_argument(
         "--on-invalid",
-        choices=["reject", "skip"],
-        default="reject",
+        choices=get_args(InvalidPolicy),
+        default=_DEFAULTS.on_invalid,
         help="an invalid line or sample: refuse the whole job, or skip it (default: %(default)s)",
     )
     group.add_argument(
         "--loss",
-        choices=["assistant", "all", "last_assistant"],
-        default="assistant",
+        choices=get_args(LossPolicy),
+        default=_DEFAULTS.loss,
         help="a conversation's loss mask: what the assistant says, its last turn only, or every token "
         "(default: %(default)s)",
     )
