@@ -117,6 +117,13 @@ class Settings(BaseSettings):
         "covers a server that writes a dump shortly after it replies, and is paid once per such sample",
     )
     request_timeout_s: float = Field(600.0, description="HTTP timeout for one /generate request")
+    prepare_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="the longest one conversation may take to render with its chat template (in a process of its "
+        "own); a conversation that takes longer fails with reason prepare_timeout, and a template that takes "
+        "longer to load fails its job",
+    )
     source: str = Field(
         "auto",
         description="where hidden states come from: dumps (files in the dump root, from the hsx-sglang plugin or a "

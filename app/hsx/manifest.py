@@ -75,6 +75,8 @@ class ManifestSample(BaseModel):
     num_tokens: PositiveCount
     # What proved the stored dump this sample's (hsx.identity); None: not recorded (stored by an older hsx).
     identity: Identity | None = None
+    # Its token count before the job's length policy cut it to num_tokens (truncate); absent: not cut.
+    truncated_from: PositiveCount | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ class ManifestHeader(BaseModel):
     shard_layout: dict[str, Any] | None = Field(default_factory=lambda: dict(SHARD_LAYOUT))
     num_samples: Count
     num_stored: Count
+    # Samples cut to fit max_length or the server's limit (each says its length before: truncated_from).
+    num_truncated: Count = 0
     # The weakest proof among the stored samples (hsx.identity): ids or rid or response prove every
     # tensor its sample's; count means the dumps carried neither, and rest on hsx having had the
     # model server to itself. None: nothing stored, or a sample stored without a recorded proof.
@@ -194,6 +198,7 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
             "dtype": info.get("dtype"),
             "num_samples": job.num_samples,
             "num_stored": job.n_succeeded,
+            "num_truncated": job.n_truncated,
             "shards": [
                 {
                     "name": s.name,
@@ -212,6 +217,7 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
                     "offset": r.shard_offset,
                     "num_tokens": r.num_tokens,
                     "identity": r.identity,
+                    **({"truncated_from": r.truncated_from} if r.truncated_from is not None else {}),
                 }
                 for r in samples
             ],

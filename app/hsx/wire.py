@@ -160,6 +160,11 @@ LossPolicy = Literal["assistant", "all", "last_assistant"]
 MAX_NEW_TOKENS = 32768
 
 
+# The reason code of a sample skipped because no token of its loss mask is left (after the length policy, or
+# a conversation with no assistant turn): a trainer would learn nothing from it.
+NO_LOSS_TOKENS = "no_loss_tokens"
+
+
 class RegenerateOptions(BaseModel):
     """Regenerate every assistant turn with the model server before extraction."""
 
@@ -253,6 +258,11 @@ class Counts(BaseModel):
     failed: int
     cancelled: int
     skipped: int = Field(0, description="left out by the job's length or invalid-sample policy, with the reason")
+    truncated: int = Field(
+        0,
+        description="cut to max_length (or the server's limit) by the truncate policy, whatever their state now "
+        "(not a state: not part of total's sum); each says its length before (truncated_from)",
+    )
 
 
 class Tokens(BaseModel):
@@ -350,6 +360,9 @@ class SampleOut(BaseModel):
     last_error: str | None
     shard: str | None
     offset: int | None
+    truncated_from: int | None = Field(
+        None, description="its token count before the job's length policy cut it to expected_tokens; null: not cut"
+    )
     attempt_log: list[AttemptOut] | None = None
     messages: list[dict[str, Any]] | None = Field(
         None, description="a conversation sample's turns as rendered (regenerated ones included); single-sample view"
@@ -396,6 +409,19 @@ class Throughput(BaseModel):
     )
 
 
+class PreparerOut(BaseModel):
+    """A writer's conversation preparer, as the writer last reported it."""
+
+    state: Literal["idle", "preparing", "failing"] = Field(
+        description="idle (nothing to prepare), preparing, or failing (its last step raised: `reason` says why; "
+        "conversations of the jobs it serves make no progress meanwhile)"
+    )
+    reason: str | None = Field(None, description="why it is failing")
+    prepared: int = Field(
+        0, description="conversation samples it moved on (queued, skipped or failed) since it started"
+    )
+
+
 class WriterOut(BaseModel):
     identity: str = Field(description="host:dump root")
     state: str = Field(description="starting, ready, waiting, refusing or stopped")
@@ -410,14 +436,18 @@ class WriterOut(BaseModel):
         description="tokens it extracted per second over the last minute, as of its last heartbeat; for this "
         "process's own writer as of now, the figure `writer.tokens_per_s` shows",
     )
+    preparer: PreparerOut | None = Field(None, description="its conversation preparer, as of its last heartbeat")
 
 
 class Health(BaseModel):
-    status: Literal["ok", "degraded"]
+    status: Literal["ok", "degraded"] = Field(
+        description="ok: the database answers, this process's writer (if any) is ready, and no writer's "
+        "conversation preparer is failing; else degraded"
+    )
     database: str
     writer: dict[str, Any] | None = Field(
-        description="this process's writer, when it runs one: identity, state, reason, server, tokens_per_s "
-        "(with --api-tokens and no token: its state only)"
+        description="this process's writer, when it runs one: identity, state, reason, server, tokens_per_s, "
+        "preparer (with --api-tokens and no token: its state only)"
     )
     writers: list[WriterOut] = Field(
         default_factory=list,
@@ -459,6 +489,7 @@ class WorkerOut(BaseModel):
     tokens_per_s: float | None = Field(
         description="tokens it extracted per second over the last minute, as of its last heartbeat"
     )
+    preparer: PreparerOut | None = Field(None, description="its conversation preparer, as of its last heartbeat")
 
 
 class WorkerList(BaseModel):

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from hsx.chat import ChatTemplate, RegenerationError, Sampling, regenerate
+from hsx.chat import ChatTemplate, RegenerationError, Sampling, TemplateRenderer, regenerate
 from hsx.chat.regenerate import cut_at_stop
 from tests.support import chat
 from tests.support.stack import start_reference
@@ -41,41 +41,45 @@ def folder(tmp_path_factory):
 def run_regenerate(url: str, template: ChatTemplate, messages, sampling: Sampling):
     async def go():
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            return await regenerate(client, template, messages, sampling)
+            return await regenerate(client, TemplateRenderer(template), messages, sampling, "assistant")
 
     return asyncio.run(go())
 
 
-def test_each_answer_is_the_models_own_to_the_conversation_regenerated_before_it(server, folder):
+def greedy(url: str, prompt: list[int], n: int) -> list[int]:
+    answer = httpx.post(
+        url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": n}}, timeout=60
+    )
+    return answer.json()["output_ids"]
+
+
+def test_each_answer_is_the_models_own_ids_on_the_prefix_it_was_generated_from(server, folder):
     template = ChatTemplate.load(folder)
     assert len(transformers.AutoTokenizer.from_pretrained(str(folder))) == EMBEDDED_VOCAB
-    new, generated = run_regenerate(server.url, template, MESSAGES, Sampling(max_new_tokens=12))
+    new = run_regenerate(server.url, template, MESSAGES, Sampling(max_new_tokens=12))
 
-    assert [m["role"] for m in new] == [m["role"] for m in MESSAGES]
-    assert [new[i] for i in (0, 1, 3)] == [MESSAGES[i] for i in (0, 1, 3)]
-    assert len(generated) == 2 and all(1 <= len(ids) <= 12 for ids in generated)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    for turn, ids in zip((2, 4), generated):
-        prompt = chat.apply_chat_template_ids(tokenizer, new[:turn], add_generation_prompt=True)
-        answer = httpx.post(
-            server.url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 12}}, timeout=60
-        ).json()
-        assert ids == cut_at_stop(answer["output_ids"], template.eos_ids)
-        assert new[turn]["content"] == template.decode(ids)
-        assert new[turn]["content"] != MESSAGES[turn]["content"]
-    second_prompt = tokenizer.decode(chat.apply_chat_template_ids(tokenizer, new[:4], add_generation_prompt=True))
-    assert new[2]["content"].strip() in second_prompt and "dataset" not in second_prompt
-
-    # The regenerated conversation renders, its loss on the new answers (the template trims them).
-    rendered = template.render(new)
-    masked = tokenizer.decode(rendered.input_ids[rendered.loss_mask == 1].tolist())
-    assert masked == "".join(new[i]["content"].strip() + "<|eot_id|>" for i in (2, 4))
+    assert [m["role"] for m in new.messages] == [m["role"] for m in MESSAGES]
+    assert [new.messages[i] for i in (0, 1, 3)] == [MESSAGES[i] for i in (0, 1, 3)]
+    tokenizer = chat.reference_tokenizer(folder)
+    ids, mask = new.input_ids.tolist(), new.loss_mask.tolist()
+    # The first prompt is transformers' own; each answer is the server's greedy continuation of exactly the
+    # ids stored before it, and those ids are in the sample as generated (the loss on them).
+    starts = [k for k in range(1, len(mask)) if mask[k] and not mask[k - 1]]
+    assert len(starts) == 2
+    assert ids[: starts[0]] == chat.apply_chat_template_ids(tokenizer, MESSAGES[:2], add_generation_prompt=True)
+    for turn, start in zip((2, 4), starts):
+        end = next((k for k in range(start, len(mask)) if not mask[k]), len(mask))
+        assert ids[start:end] == cut_at_stop(greedy(server.url, ids[:start], 12), template.eos_ids)
+        assert new.messages[turn]["content"] == template.decode(ids[start:end])
+        assert new.messages[turn]["content"] != MESSAGES[turn]["content"]
+        assert new.messages[turn]["finish"] in ("stop", "length")
 
 
 def test_a_conversation_without_an_assistant_turn_is_left_as_it_is(server, folder):
     template = ChatTemplate.load(folder)
-    new, generated = run_regenerate(server.url, template, MESSAGES[:2], Sampling(max_new_tokens=4))
-    assert (new, generated) == (MESSAGES[:2], [])
+    new = run_regenerate(server.url, template, MESSAGES[:2], Sampling(max_new_tokens=4))
+    assert new.messages == MESSAGES[:2]
+    assert new.input_ids.tolist() == template.render(MESSAGES[:2]).input_ids.tolist() and not new.loss_mask.any()
 
 
 def test_a_refused_generation_says_what_the_server_answered(server, folder):

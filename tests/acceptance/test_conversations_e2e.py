@@ -16,6 +16,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from hsx.chat import ChatTemplate
+from hsx.chat.regenerate import cut_at_stop
 from hsx.exports import export_job
 from hsx.manifest import load_manifest, read_sample
 from tests.support.chat import LLAMA3, apply_chat_template_ids, save_chat_tokenizer
@@ -77,13 +79,54 @@ def hsx_cli(url: str, *argv: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(hsx_command() + [str(a) for a in argv], capture_output=True, text=True, env=env, timeout=900)
 
 
+def first_answer_at(tokenizer, messages: list[dict]) -> int:
+    """Where the first assistant answer's tokens start: the length of what comes before it, with the
+    header a model is given to write it."""
+    first = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
+    return len(apply_chat_template_ids(tokenizer, messages[:first], add_generation_prompt=True))
+
+
 def expected_mask(messages: list[dict]) -> str:
     """What the mask must select, independently of hsx: each assistant answer as the template trims it,
     followed by its end-of-turn token."""
     return "".join(m["content"].strip() + "<|eot_id|>" for m in messages if m["role"] == "assistant")
 
 
-def test_a_sharegpt_file_becomes_a_finished_job_with_the_templates_ids_and_masks(tmp_path, chat_model):
+def check_stored(job_dir, manifest, conversations, no_loss, tokenizer, recompute) -> int:
+    """Every stored sample's ids are the template's (cut to MAX_LENGTH, saying so), its mask the assistant's
+    answers, and every 100th sample's tensors the model's; returns how many were cut."""
+    truncated = 0
+    entries = {s.id: s for s in manifest.samples}
+    for i, conversation in enumerate(c for c in conversations if c["id"] not in no_loss):
+        messages = as_messages(conversation["conversations"])
+        full = apply_chat_template_ids(tokenizer, messages)
+        stored = read_sample(job_dir, manifest, conversation["id"])
+        ids, mask = stored["input_ids"].tolist(), stored["loss_mask"].tolist()
+        assert ids == full[:MAX_LENGTH], conversation["id"]
+        cut = len(full) > MAX_LENGTH
+        assert entries[conversation["id"]].truncated_from == (len(full) if cut else None), conversation["id"]
+        truncated += cut
+        if not cut:
+            kept = [t for t, m in zip(ids, mask) if m]
+            assert tokenizer.decode(kept) == expected_mask(messages), conversation["id"]
+        if i % 100 == 0:  # the tensors are the model's for exactly these ids
+            truth = recompute(ids)
+            for layer in manifest.layers or []:
+                assert torch.equal(stored[f"layer_{layer}"], truth[layer])
+    return truncated
+
+
+def check_specforge_export(job_dir, manifest, out) -> None:
+    """SpecForge's offline files carry the template's ids and the assistant mask as its trainer reads them."""
+    export_job("specforge", job_dir, out)
+    for ckpt in sorted(out.rglob("data_*.ckpt"))[:50]:
+        data = torch.load(ckpt, weights_only=True)
+        stored = read_sample(job_dir, manifest, manifest.samples[int(ckpt.stem.split("_")[1])].id)
+        assert data["input_ids"].tolist() == stored["input_ids"].tolist()
+        assert data["loss_mask"].tolist() == stored["loss_mask"].tolist()
+
+
+def test_a_sharegpt_file_becomes_a_finished_job_with_the_templates_ids_and_masks(tmp_path, chat_model, database_url):
     conversations = sharegpt(1000, seed=3)
     path = tmp_path / "conversations.jsonl"
     lines = [json.dumps(c) for c in conversations]
@@ -91,7 +134,7 @@ def test_a_sharegpt_file_becomes_a_finished_job_with_the_templates_ids_and_masks
     lines.insert(500, json.dumps({"id": "empty", "conversations": []}))
     path.write_text("\n".join(lines) + "\n")
     ref = start_reference(tmp_path, chat_model)
-    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=ref.url, dump_root=ref.dump_root)
+    svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=ref.dump_root)
     try:
         done = hsx_cli(
             svc.url,
@@ -111,77 +154,79 @@ def test_a_sharegpt_file_becomes_a_finished_job_with_the_templates_ids_and_masks
         assert done.returncode == 0, done.stderr[-3000:]
         job = json.loads(done.stdout.strip().splitlines()[-1])
         assert job["state"] == "succeeded", job
-        counts = job["counts"]
-        assert (counts["total"], counts["succeeded"], counts["skipped"], counts["failed"]) == (1002, 1000, 2, 0)
-        skipped = svc.get(f"/v1/jobs/{job['id']}/samples", params={"state": "skipped"}).json()["data"]
-        assert sorted(s["id"] for s in skipped) == ["empty", "invalid-10"]
-        assert all(s["last_error"].startswith("invalid: ") for s in skipped)
-
         tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
+        # A conversation whose first answer starts past the cut keeps no token to learn from: skipped.
+        no_loss = {
+            c["id"] for c in conversations if first_answer_at(tokenizer, as_messages(c["conversations"])) >= MAX_LENGTH
+        }
+        counts = job["counts"]
+        expected = (1002, 1000 - len(no_loss), 2 + len(no_loss), 0)
+        assert (counts["total"], counts["succeeded"], counts["skipped"], counts["failed"]) == expected
+        skipped = svc.get(f"/v1/jobs/{job['id']}/samples", params={"state": "skipped", "limit": 1000}).json()["data"]
+        assert sorted(s["id"] for s in skipped) == sorted(["empty", "invalid-10", *no_loss])
+        assert all(
+            s["last_error"].startswith("no_loss_tokens: " if s["id"] in no_loss else "invalid: ") for s in skipped
+        )
+
         job_dir = svc.output_root / job["id"]
         manifest = load_manifest(job_dir)
-        assert [s.id for s in manifest.samples] == [c["id"] for c in conversations]
-        recompute = Recompute(chat_model)
-        truncated = 0
-        for i, conversation in enumerate(conversations):
-            messages = as_messages(conversation["conversations"])
-            full = apply_chat_template_ids(tokenizer, messages)
-            stored = read_sample(job_dir, manifest, conversation["id"])
-            ids, mask = stored["input_ids"].tolist(), stored["loss_mask"].tolist()
-            assert ids == full[:MAX_LENGTH], conversation["id"]
-            truncated += len(full) > MAX_LENGTH
-            if len(full) <= MAX_LENGTH:
-                kept = [t for t, m in zip(ids, mask) if m]
-                assert tokenizer.decode(kept) == expected_mask(messages), conversation["id"]
-            if i % 100 == 0:  # the tensors are the model's for exactly these ids
-                truth = recompute(ids)
-                for layer in manifest.layers or []:
-                    assert torch.equal(stored[f"layer_{layer}"], truth[layer])
+        assert [s.id for s in manifest.samples] == [c["id"] for c in conversations if c["id"] not in no_loss]
+        truncated = check_stored(job_dir, manifest, conversations, no_loss, tokenizer, Recompute(chat_model))
         assert truncated > 0, "some conversations must be longer than --max-length"
+        assert job["counts"]["truncated"] == manifest.num_truncated == truncated
+        cut = next(s for s in manifest.samples if s.truncated_from)
+        assert svc.get(f"/v1/jobs/{job['id']}/samples/{cut.id}").json()["truncated_from"] == cut.truncated_from
         assert job["tokens"]["total"] == sum(s.num_tokens for s in manifest.samples)
         detail = svc.get(f"/v1/jobs/{job['id']}/samples/c1").json()
         assert detail["messages"] == as_messages(conversations[1]["conversations"])
-        # SpecForge's offline files carry the template's ids and the assistant mask as its trainer reads them
-        export_job("specforge", job_dir, tmp_path / "sf")
-        for ckpt in sorted((tmp_path / "sf").rglob("data_*.ckpt"))[:50]:
-            data = torch.load(ckpt, weights_only=True)
-            index = int(ckpt.stem.split("_")[1])
-            stored = read_sample(job_dir, manifest, conversations[index]["id"])
-            assert data["input_ids"].tolist() == stored["input_ids"].tolist()
-            assert data["loss_mask"].tolist() == stored["loss_mask"].tolist()
+        check_specforge_export(job_dir, manifest, tmp_path / "sf")
     finally:
         svc.stop()
         ref.stop()
 
 
-def test_regenerated_answers_are_the_models_own_and_their_hidden_states_are_stored(tmp_path, chat_model):
+def test_regenerated_answers_are_the_models_own_ids_and_their_hidden_states_are_stored(
+    tmp_path, chat_model, database_url
+):
     conversations = [{"id": f"r{i}", "messages": as_messages(c["conversations"])} for i, c in enumerate(sharegpt(6, 9))]
     ref = start_reference(tmp_path, chat_model)
-    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=ref.url, dump_root=ref.dump_root)
+    svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=ref.dump_root)
     try:
         resp = svc.post_job({"name": "regen", "samples": conversations, "regenerate": {"max_new_tokens": 5}})
         assert resp.status_code == 202, resp.text
         job = svc.wait_job(resp.json()["id"])
         assert job["state"] == "succeeded", job
         tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
+        template = ChatTemplate.load(chat_model)
         model = Recompute(chat_model).model
         job_dir = svc.output_root / job["id"]
         manifest = load_manifest(job_dir)
+        recompute = Recompute(chat_model)
         for conversation in conversations:
-            detail = svc.get(f"/v1/jobs/{job['id']}/samples/{conversation['id']}").json()
-            regenerated = detail["messages"]
+            regenerated = svc.get(f"/v1/jobs/{job['id']}/samples/{conversation['id']}").json()["messages"]
             assert [m["role"] for m in regenerated] == [m["role"] for m in conversation["messages"]]
-            # each answer is the model's greedy continuation of what came before it
-            for k, message in enumerate(regenerated):
-                if message["role"] != "assistant":
-                    continue
-                prompt = apply_chat_template_ids(tokenizer, regenerated[:k], add_generation_prompt=True)
-                with torch.inference_mode():
-                    out = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)
-                answer = tokenizer.decode(out[0, len(prompt) :].tolist(), skip_special_tokens=True)
-                assert message["content"] == answer.split("<|eot_id|>")[0]
             stored = read_sample(job_dir, manifest, conversation["id"])
-            assert stored["input_ids"].tolist() == apply_chat_template_ids(tokenizer, regenerated)
+            ids, mask = stored["input_ids"].tolist(), stored["loss_mask"].tolist()
+            first = next(k for k, m in enumerate(regenerated) if m["role"] == "assistant")
+            answers = [m for m in regenerated if m["role"] == "assistant"]
+            starts = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
+            assert len(starts) == len(answers)
+            assert ids[: starts[0]] == apply_chat_template_ids(
+                tokenizer, regenerated[:first], add_generation_prompt=True
+            )
+            # Each answer is, id for id, the model's greedy continuation of exactly the ids stored before it.
+            for start, message in zip(starts, answers):
+                with torch.inference_mode():
+                    out = model.generate(torch.tensor([ids[:start]]), max_new_tokens=5, do_sample=False)
+                generated = cut_at_stop(out[0, start:].tolist(), template.eos_ids)
+                assert ids[start : start + len(generated)] == generated
+                assert mask[start : start + len(generated)] == [1] * len(generated)
+                stopped = generated[-1] in template.eos_ids
+                assert message["finish"] == ("stop" if stopped else "length")
+                assert message["content"] == template.decode(generated)
+            truth = recompute(ids)
+            for layer in manifest.layers or []:
+                assert torch.equal(stored[f"layer_{layer}"], truth[layer])
     finally:
         svc.stop()
         ref.stop()

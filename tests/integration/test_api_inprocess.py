@@ -76,6 +76,7 @@ def test_a_created_job_is_202_with_its_location_and_stored_queued(api, settings)
         "failed": 0,
         "cancelled": 0,
         "skipped": 0,
+        "truncated": 0,
     }
     assert job["tokens"] == {"total": 5, "done": 0, "staged": 0}
     assert job["manifest_url"] == f"/v1/jobs/{job['id']}/manifest"

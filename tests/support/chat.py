@@ -129,3 +129,10 @@ def apply_chat_template_ids(tokenizer: Any, messages: list[dict[str, str]], **kw
     if not isinstance(out, list):
         out = out["input_ids"]
     return [int(i) for i in out]
+
+
+def reference_tokenizer(folder: Path) -> Any:
+    """transformers' own tokenizer for a folder saved above: the reference hsx's renders are checked against."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

@@ -1,5 +1,6 @@
-"""What the regeneration client sends (SGLang's names) and what it makes of answers a real server gives
-only when something is wrong; tests/acceptance/test_chat_regenerate.py runs it against the reference server."""
+"""What the regeneration client sends (SGLang's names) and how it builds the sample from the ids the server
+generated, against answers made here (a server that stops or runs to max_new_tokens on demand, or answers
+wrongly); tests/acceptance/test_chat_regenerate.py runs it against the reference server."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from hsx.chat import ChatTemplate, RegenerationError, Sampling, regenerate
+from hsx.chat import ChatTemplate, RegenerationError, Sampling, TemplateRenderer, regenerate
 from hsx.chat.regenerate import cut_at_stop
 from tests.support import chat
 
@@ -24,11 +25,16 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    return ChatTemplate.load(chat.save_chat_tokenizer(tmp_path_factory.mktemp("chat") / "llama3", chat.LLAMA3))
+def folder(tmp_path_factory):
+    return chat.save_chat_tokenizer(tmp_path_factory.mktemp("chat") / "llama3", chat.LLAMA3)
 
 
-def run_against(answer, template, sampling=None):
+@pytest.fixture(scope="module")
+def template(folder):
+    return ChatTemplate.load(folder)
+
+
+def run_against(answer, template, sampling=None, loss="assistant", messages=MESSAGES, limit=None):
     """regenerate() against a server that answers every /generate with `answer(body)`; the bodies it got."""
     bodies = []
 
@@ -38,28 +44,66 @@ def run_against(answer, template, sampling=None):
 
     async def go():
         async with httpx.AsyncClient(base_url="http://server", transport=httpx.MockTransport(handle)) as client:
-            return await regenerate(client, template, MESSAGES, sampling or Sampling(max_new_tokens=8))
+            renderer = TemplateRenderer(template)
+            return await regenerate(client, renderer, messages, sampling or Sampling(max_new_tokens=8), loss, limit)
 
     return asyncio.run(go()), bodies
 
 
-def test_the_request_carries_the_prompt_and_sglangs_sampling_names(template):
-    eot = template.eos_ids[0]
-    answers = iter([[65, 66, eot, 67], [68, 69]])
-    (new, generated), bodies = run_against(
-        lambda body: httpx.Response(200, json={"text": "", "output_ids": next(answers), "meta_info": {}}),
+def answering(*outputs):
+    answers = iter(outputs)
+    return lambda body: httpx.Response(200, json={"text": "", "output_ids": next(answers), "meta_info": {}})
+
+
+def test_the_sample_holds_the_generated_ids_between_the_templates_pieces(template, folder):
+    eot = template.end_of_turn_ids[0]
+    new, bodies = run_against(
+        answering([65, 66, eot, 67], [68, 69, eot]),
         template,
         Sampling(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=11),
     )
-    assert generated == [[65, 66, eot], [68, 69]], "cut after the first end-of-turn id, as SGLang stops"
-    assert new[1]["content"] == template.decode([65, 66]) and new[3]["content"] == template.decode([68, 69])
+    reference = chat.reference_tokenizer(folder)
+    first_prompt = chat.apply_chat_template_ids(reference, MESSAGES[:1], add_generation_prompt=True)
     params = {"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "stop_token_ids": template.eos_ids}
-    assert bodies[0] == {
-        "input_ids": template.render_prompt(MESSAGES[:1]),
-        "sampling_params": {**params, "sampling_seed": 11},
-    }
-    assert bodies[1]["input_ids"] == template.render_prompt([MESSAGES[0], new[1], MESSAGES[2]])
+    assert bodies[0] == {"input_ids": first_prompt, "sampling_params": {**params, "sampling_seed": 11}}
+    # The second prompt is the first, the ids generated (cut after the end-of-turn id, as SGLang stops), and
+    # the template's text between the turns: never the first answer's text encoded again.
+    between = template.continuation([*MESSAGES[:1], new.messages[1], MESSAGES[2]], generation_prompt=True)
+    assert bodies[1]["input_ids"] == first_prompt + [65, 66, eot] + between
+    assert new.input_ids.tolist() == bodies[1]["input_ids"] + [68, 69, eot]
+    mask = [0] * len(first_prompt) + [1, 1, 1] + [0] * len(between) + [1, 1, 1]
+    assert new.loss_mask.tolist() == mask
+    assert new.messages[1] == {"role": "assistant", "content": template.decode([65, 66]), "finish": "stop"}
+    assert new.messages[3]["finish"] == "stop" and [m["role"] for m in new.messages] == [m["role"] for m in MESSAGES]
     assert "sampling_seed" not in Sampling(max_new_tokens=1).params([])
+
+
+def test_a_turn_cut_at_max_new_tokens_is_closed_by_the_template_outside_the_loss(template):
+    eot = template.end_of_turn_ids[0]
+    new, bodies = run_against(answering([70, 71], [72, eot]), template, Sampling(max_new_tokens=2))
+    first = len(bodies[0]["input_ids"])
+    assert bodies[1]["input_ids"][first : first + 3] == [70, 71, eot]
+    assert new.loss_mask.tolist()[first : first + 3] == [1, 1, 0]
+    assert [new.messages[1]["finish"], new.messages[3]["finish"]] == ["length", "stop"]
+
+
+def test_loss_policies_mark_the_last_turn_only_or_everything(template):
+    eot = template.end_of_turn_ids[0]
+    last, bodies = run_against(answering([65, eot], [66, eot]), template, loss="last_assistant")
+    second = len(bodies[1]["input_ids"])
+    assert last.loss_mask.tolist() == [0] * second + [1, 1]
+    everything, _ = run_against(answering([65, eot], [66, eot]), template, loss="all")
+    assert everything.loss_mask.all()
+
+
+def test_generation_stops_once_the_sample_is_over_the_limit(template):
+    eot = template.end_of_turn_ids[0]
+    prompt = len(template.continuation(MESSAGES[:1], generation_prompt=True))
+    new, bodies = run_against(answering([65, 66, 67, 68]), template, limit=prompt + 2)
+    assert len(bodies) == 1, "the second turn is not generated: the sample is cut before it"
+    assert bodies[0]["sampling_params"]["max_new_tokens"] == 3, "no more than the limit needs"
+    assert [m["role"] for m in new.messages] == ["user", "assistant"]
+    assert len(new.input_ids) > prompt + 2 and eot in new.input_ids.tolist()
 
 
 @pytest.mark.parametrize(

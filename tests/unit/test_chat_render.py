@@ -146,14 +146,18 @@ def test_the_mask_equals_transformers_assistant_mask_from_generation_markers(tem
 
 
 @pytest.mark.parametrize("name", TEMPLATES, ids=list(TEMPLATES))
-def test_the_prompt_for_a_turn_is_what_comes_before_its_masked_tokens(templates, reference, name):
+def test_the_prompt_for_a_turn_is_the_ids_before_it_and_the_templates_continuation(templates, reference, name):
     template = templates[name]
     rendered = template.render(TWO_TURNS)
-    for i in (1, 3):
-        prompt = template.render_prompt(TWO_TURNS[:i])
+    first_turn_end = int(rendered.loss_mask.argmax() + rendered.loss_mask[rendered.loss_mask.argmax() :].argmin())
+    for i, before in ((1, []), (3, rendered.input_ids[:first_turn_end].tolist())):
+        prompt = before + template.continuation(TWO_TURNS[:i], generation_prompt=True)
         assert prompt == chat.apply_chat_template_ids(reference[name], TWO_TURNS[:i], add_generation_prompt=True)
         assert rendered.input_ids[: len(prompt)].tolist() == prompt
         assert rendered.loss_mask[len(prompt) - 1] == 0 and rendered.loss_mask[len(prompt)] == 1
+    # After the last turn: what the template writes after its end of turn (ChatML's newline), nothing else.
+    last_end = len(rendered.loss_mask) - int(rendered.loss_mask[::-1].argmax())
+    assert template.continuation(TWO_TURNS, generation_prompt=False) == rendered.input_ids[last_end:].tolist()
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_for_those_conversations(templates, reference):

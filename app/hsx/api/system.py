@@ -12,7 +12,7 @@ from hsx.api.deps import ReadSessionDep, SettingsDep, WriterDep
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
 from hsx.config import parse_tokens
 from hsx.extraction import Writer
-from hsx.extraction.exposition import METRICS_MEDIA_TYPE, writer_lines
+from hsx.extraction.exposition import METRICS_MEDIA_TYPE, preparer_health, writer_lines
 from hsx.service import status as service
 from hsx.wire import Health, TokenInfo, WorkerList, WriterOut
 
@@ -37,10 +37,13 @@ def healthz(request: Request, session: ReadSessionDep, writer: WriterDep, settin
                 "reason": writer.status.reason,
                 "server": writer.status.server,
                 "tokens_per_s": own.tokens_per_s,
+                "preparer": preparer_health(writer.preparer),
             }
-    writers: list[WriterOut] = service.live_writers(session=session, own=own) if db == "ok" and detailed else []
-    ok = db == "ok" and (status is None or status["state"] == "ready")
-    return Health(status="ok" if ok else "degraded", database=db, writer=status, writers=writers)
+    writers: list[WriterOut] = service.live_writers(session=session, own=own) if db == "ok" else []
+    preparing = writer is None or writer.preparer.state != "failing"
+    preparing = preparing and not any(w.preparer is not None and w.preparer.state == "failing" for w in writers)
+    ok = db == "ok" and (status is None or status["state"] == "ready") and preparing
+    return Health(status="ok" if ok else "degraded", database=db, writer=status, writers=writers if detailed else [])
 
 
 def _own(writer: Writer | None) -> service.OwnWriter | None:

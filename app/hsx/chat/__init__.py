@@ -5,7 +5,7 @@ generated anew by a model server (regenerate).
 transformers is imported only when a template is loaded (`pip install 'hsx-server[chat]'`)."""
 
 from hsx.chat.formats import ConversationError, Message, conversation_of
-from hsx.chat.regenerate import RegenerationError, Sampling, regenerate
+from hsx.chat.regenerate import Regenerated, RegenerationError, Sampling, TemplateRenderer, regenerate
 from hsx.chat.render import ChatTemplate, ChatTemplateError, LossPolicy, Rendered, render_many
 
 __all__ = [
@@ -14,9 +14,11 @@ __all__ = [
     "ConversationError",
     "LossPolicy",
     "Message",
+    "Regenerated",
     "RegenerationError",
     "Rendered",
     "Sampling",
+    "TemplateRenderer",
     "conversation_of",
     "regenerate",
     "render_many",

@@ -17,10 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
+from typing_extensions import NotRequired  # typing's from Python 3.11
+
 
 class Message(TypedDict):
     role: str
     content: str
+    # A regenerated assistant turn's end: stop (the model wrote an end-of-turn id) or length (cut at
+    # max_new_tokens). Templates ignore it.
+    finish: NotRequired[str]
 
 
 ROLES = ("system", "user", "assistant")

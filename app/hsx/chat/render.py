@@ -24,7 +24,7 @@ import numpy as np
 
 from hsx.chat.formats import ConversationError, Message
 from hsx.chat.pool import ordered_map
-from hsx.chat.spans import assistant_spans, token_mask
+from hsx.chat.spans import assistant_spans, token_mask, turn_span
 
 # assistant: every assistant turn; all: every token; last_assistant: the last assistant turn only
 LossPolicy = Literal["assistant", "all", "last_assistant"]
@@ -53,8 +53,10 @@ class ChatTemplate:
         self._tokenizer = tokenizer
         self.folder = folder
         self.template: str = tokenizer.get_chat_template()
+        # what the template writes after an assistant turn's content (Llama 3's <|eot_id|>)
+        self.end_of_turn_ids: list[int] = _end_of_turn_ids(self, tokenizer)
         # end-of-turn ids generation should stop at
-        self.eos_ids: list[int] = _stop_ids(self, tokenizer, folder)
+        self.eos_ids: list[int] = _stop_ids(self.end_of_turn_ids, tokenizer, folder)
         self._eos = frozenset(self.eos_ids)
 
     @classmethod
@@ -83,7 +85,12 @@ class ChatTemplate:
                 f"{folder}: the tokenizer is not a fast one (no tokenizer.json), and the loss mask needs the "
                 "character offsets only a fast tokenizer gives"
             )
-        return cls(tokenizer, folder)
+        try:
+            return cls(tokenizer, folder)
+        except Exception as exc:  # the template is a program that came with the model: it may raise anything
+            raise ChatTemplateError(
+                f"{folder}: the chat template fails on a two-turn conversation: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def render(self, messages: list[Message], loss: LossPolicy = "assistant") -> Rendered:
         """The conversation's ids and loss mask. Raises ConversationError for one the template refuses or
@@ -101,11 +108,17 @@ class ChatTemplate:
             mask = token_mask(offsets, spans)
         return Rendered(input_ids=ids, loss_mask=mask, text=text)
 
-    def render_prompt(self, messages: list[Message]) -> list[int]:
-        """The ids of `messages` followed by the generation prompt: what a model continues to write the next
-        assistant turn."""
-        text = self.text(messages, generation_prompt=True)
-        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+    def continuation(self, messages: list[Message], *, generation_prompt: bool) -> list[int]:
+        """The ids of what the template writes after the last assistant turn of `messages` (after its content
+        and end of turn, where hsx.chat.spans ends the turn) through the end of their rendering, with the
+        generation prompt if asked; the whole rendering when no assistant turn is there. Regenerated
+        conversations are these pieces with the model's own ids between them (hsx.chat.regenerate)."""
+        text = self.text(messages, generation_prompt=generation_prompt)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        start = 0
+        if turns:
+            _, start = turn_span(self._render_text, messages, text, turns[-1])
+        return list(self._tokenizer(text[start:], add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
         """Generated ids as the assistant turn's text: up to the first end-of-turn id, special tokens left out."""
@@ -124,6 +137,10 @@ class ChatTemplate:
             )
         except TemplateError as exc:  # the template's raise_exception(...) among them
             raise ConversationError("messages", f"the chat template refused the conversation: {exc}") from exc
+        except Exception as exc:  # anything else the template's code raised on these messages
+            raise ConversationError(
+                "messages", f"the chat template fails on the conversation: {type(exc).__name__}: {exc}"
+            ) from exc
         return str(out)
 
     def _render_text(self, messages: list[Message], generation_prompt: bool) -> str:
@@ -144,10 +161,10 @@ class ChatTemplate:
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _stop_ids(template: ChatTemplate, tokenizer: Any, folder: Path) -> list[int]:
+def _stop_ids(end_of_turn: list[int], tokenizer: Any, folder: Path) -> list[int]:
     """The ids that end an assistant turn: the special tokens the template writes after a turn's content,
     then the tokenizer's eos, then generation_config.json's eos ids (Llama 3.1 lists three)."""
-    ids = _end_of_turn_ids(template, tokenizer)
+    ids = list(end_of_turn)
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
     ids += _generation_config_eos(folder)

@@ -29,10 +29,11 @@ def assistant_spans(render_text: RenderText, messages: list[Message], text: str,
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if last_only:
         turns = turns[-1:]
-    return [_turn_span(render_text, messages, text, i) for i in turns]
+    return [turn_span(render_text, messages, text, i) for i in turns]
 
 
-def _turn_span(render_text: RenderText, messages: list[Message], text: str, i: int) -> Span:
+def turn_span(render_text: RenderText, messages: list[Message], text: str, i: int) -> Span:
+    """The character span of assistant turn `i` (its content and end of turn) in `text`."""
     if i == 0:
         raise ConversationError(
             "messages[0]",

@@ -76,6 +76,7 @@ class JobRow(Base):
     n_failed: Mapped[int] = mapped_column(Integer, default=0)
     n_cancelled: Mapped[int] = mapped_column(Integer, default=0)
     n_skipped: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    n_truncated: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # samples cut to fit, any state
     # Of the queued samples, those tried before (a retry, an interrupted attempt, a retry asked for):
     # kept in step like the state counters, so that a job says what waits for another attempt.
     n_requeued: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -100,6 +101,8 @@ class SampleRow(Base):
     # A conversation sample's messages as JSON ([{"role", "content"}...]); after regeneration, the
     # regenerated ones. NULL for samples given as token ids.
     conversation: Mapped[str | None] = mapped_column(Text)
+    # Its token count before the job's length policy cut it to fit (truncate); NULL: not cut.
+    truncated_from: Mapped[int | None] = mapped_column(Integer)
     observed_tokens: Mapped[int | None] = mapped_column(Integer)
     identity: Mapped[str | None] = mapped_column(String(16))  # what proved its dump its own (hsx.identity)
     # attempts: the retry budget spent; tries: every claim, including ones an outage interrupted.

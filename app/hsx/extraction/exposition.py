@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 from hsx.extraction.metrics import label
 
 if TYPE_CHECKING:
+    from hsx.extraction.preparer import PreparerHealth
     from hsx.extraction.writer import Writer
 
 log = logging.getLogger("hsx.writer")
 
 WRITER_STATES = ("starting", "ready", "waiting", "refusing", "stopped")
+PREPARER_STATES = ("idle", "preparing", "failing")
 # A writer waiting for its model server or for room on the output disk is working as it should: it goes
 # on by itself. Starting, refusing (a server it must not extract from) or stopped is not.
 HEALTHY_STATES = ("ready", "waiting")
@@ -38,13 +40,45 @@ def writer_lines(writer: Writer, tokens_per_s: float | None = None) -> list[str]
         "# TYPE hsx_writer_state gauge",
     ]
     lines += [f'hsx_writer_state{{identity="{identity}",state="{s}"}} {int(s == state)}' for s in WRITER_STATES]
-    return lines + writer.metrics.render(tokens_per_s)
+    return lines + preparer_lines(identity, writer.preparer) + writer.metrics.render(tokens_per_s)
+
+
+def preparer_lines(identity: str, health: PreparerHealth) -> list[str]:
+    """The preparer's lines: its state, conversations it prepared, and steps that failed."""
+    lines = [
+        "# HELP hsx_preparer_state The writer's conversation preparer: 1 for the state it is in (failing: its "
+        "last step raised, see /healthz for why).",
+        "# TYPE hsx_preparer_state gauge",
+    ]
+    lines += [
+        f'hsx_preparer_state{{identity="{identity}",state="{s}"}} {int(s == health.state)}' for s in PREPARER_STATES
+    ]
+    return [
+        *lines,
+        "# HELP hsx_preparer_samples_total Conversation samples this writer's preparer moved on (queued, skipped "
+        "or failed) since it started.",
+        "# TYPE hsx_preparer_samples_total counter",
+        f'hsx_preparer_samples_total{{identity="{identity}"}} {health.prepared}',
+        "# HELP hsx_preparer_failures_total Preparer steps that raised since the writer started.",
+        "# TYPE hsx_preparer_failures_total counter",
+        f'hsx_preparer_failures_total{{identity="{identity}"}} {health.failures}',
+    ]
+
+
+def preparer_health(health: PreparerHealth) -> dict[str, Any]:
+    return {
+        "state": health.state,
+        "reason": health.reason,
+        "since": datetime.fromtimestamp(health.since, timezone.utc).isoformat(),
+        "prepared": health.prepared,
+    }
 
 
 def writer_health(writer: Writer) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, body) of the writer's health: 200 while it is ready or waiting, else 503."""
+    """(HTTP status, body) of the writer's health: 200 while it is ready or waiting and its preparer is not
+    failing, else 503."""
     status = writer.status
-    healthy = status.state in HEALTHY_STATES
+    healthy = status.state in HEALTHY_STATES and writer.preparer.state != "failing"
     body = {
         "status": "ok" if healthy else "unavailable",
         "writer": {
@@ -53,6 +87,7 @@ def writer_health(writer: Writer) -> tuple[int, dict[str, Any]]:
             "reason": status.reason,
             "since": datetime.fromtimestamp(status.since, timezone.utc).isoformat(),
             "tokens_per_s": writer.metrics.tokens_per_second(),
+            "preparer": preparer_health(writer.preparer),
         },
     }
     return (200 if healthy else 503), body

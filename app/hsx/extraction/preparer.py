@@ -3,9 +3,15 @@
 It runs on a thread of its own beside the request loops, so that the model server never waits for
 a chat template: it claims a batch of a job's `preparing` samples, regenerates their answers with
 the model server when the job asks (several requests in flight: generation is decode-bound),
-renders them with the model's own chat template (hsx.chat), applies the job's length policy, and
-queues them. The tokenizer is the job's `tokenizer` folder, or the model path the server reports;
-one that cannot be loaded fails the job, saying why.
+renders them with the model's own chat template, applies the job's length policy, and queues them.
+The tokenizer is the job's `tokenizer` folder, or the model path the server reports; one that
+cannot be loaded fails the job, saying why.
+
+Templates run in a process of their own (hsx.chat.process): a render is bounded by
+--prepare-timeout, stopped when its job is cancelled or the writer stops, and whatever a template
+raises fails that sample alone. A batch whose store fails is stored sample by sample, so that one
+sample the database refuses fails alone and never holds the others. What the preparer last did
+(`health`) shows in /healthz and /metrics: a preparer that keeps failing is not `ok`.
 """
 
 from __future__ import annotations
@@ -14,27 +20,72 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
 
 from hsx.chat.formats import ConversationError, Message
-from hsx.chat.regenerate import Sampling, regenerate
-from hsx.chat.render import ChatTemplate, ChatTemplateError, Rendered
+from hsx.chat.process import RenderedIds, RenderFailed, TemplateFacts, TemplateProcess
+from hsx.chat.regenerate import RegenerationError, Sampling, regenerate
+from hsx.chat.render import ChatTemplateError
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.extraction.database import Database
 from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.server_watch import ServerWatch
 from hsx.matching import Serves
-from hsx.states import SampleState
-from hsx.wire import JobOptions
+from hsx.states import JobState, SampleState
+from hsx.wire import NO_LOSS_TOKENS, JobOptions
 
 log = logging.getLogger("hsx.writer")
 
 BATCH = 64  # samples claimed at a time: small enough that a restart redoes little
 POLL_S = 1.0
+FACTS_KEPT = 16  # template folders whose facts are remembered
+CANCEL_CHECK_S = 1.0  # how often a batch in progress asks whether its job was cancelled
+
+
+@dataclass
+class PreparerHealth:
+    """What the preparer last did, for /healthz and /metrics."""
+
+    state: str = "idle"  # idle | preparing | failing
+    reason: str | None = None  # why it is failing
+    since: float = field(default_factory=time.time)
+    prepared: int = 0  # samples it moved on since the writer started
+    failures: int = 0  # steps that raised since the writer started
+
+    def set(self, state: str, reason: str | None = None) -> None:
+        if (state, reason) != (self.state, self.reason):
+            self.state, self.reason, self.since = state, reason, time.time()
+
+    def as_dict(self) -> dict[str, object]:
+        return {"state": self.state, "reason": self.reason, "since": self.since, "prepared": self.prepared}
+
+
+class _JobAbort:
+    """Whether work on a job's batch must stop: the writer stopping, or the job no longer active (asked
+    of the database at most every CANCEL_CHECK_S). Called from the render wait and generation alike."""
+
+    def __init__(self, stop: threading.Event, db: Database, job_id: str):
+        self.stop, self.db, self.job_id = stop, db, job_id
+        self._checked = time.monotonic()
+        self._gone = False
+        self._lock = threading.Lock()
+
+    def __call__(self) -> bool:
+        if self.stop.is_set():
+            return True
+        with self._lock:
+            if not self._gone and time.monotonic() - self._checked >= CANCEL_CHECK_S:
+                self._checked = time.monotonic()
+                job = self.db.run(lambda s: repo.get_job(s, self.job_id))
+                self._gone = job is None or job.state not in (JobState.QUEUED, JobState.RUNNING)
+            return self._gone
 
 
 class Preparer:
@@ -47,6 +98,7 @@ class Preparer:
         server: ServerWatch,
         finisher: JobFinisher,
         queued: Callable[[], None],
+        stop: threading.Event,
     ):
         self.settings = settings
         self.identity = identity
@@ -54,19 +106,29 @@ class Preparer:
         self.server = server
         self.finisher = finisher
         self.queued = queued  # wakes the request loops once samples are queued
-        self._templates: dict[str, ChatTemplate] = {}
-        self.prepared = 0  # samples this preparer moved on, for its status
+        self.stop = stop
+        self.templates = TemplateProcess(timeout_s=settings.prepare_timeout_s)
+        self._facts: OrderedDict[str, TemplateFacts] = OrderedDict()
+        self.health = PreparerHealth()
 
-    def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                if not self.step():
-                    stop.wait(POLL_S)
-            except repo.LeaseLost:
-                raise
-            except Exception:  # the thread must outlive any one failure; the claim is released at restart
-                log.exception("preparing conversations failed")
-                stop.wait(POLL_S)
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    busy = self.step()
+                except repo.LeaseLost:
+                    raise
+                except Exception as exc:  # the thread must outlive any one failure; claims are released at restart
+                    log.exception("preparing conversations failed")
+                    self.health.failures += 1
+                    self.health.set("failing", f"{type(exc).__name__}: {str(exc)[:300]}")
+                    self.stop.wait(POLL_S)
+                    continue
+                if not busy:
+                    self.health.set("idle")
+                    self.stop.wait(POLL_S)
+        finally:
+            self.templates.close()
 
     def step(self) -> bool:
         """Prepare one batch of the oldest job with conversations left; whether there was one."""
@@ -75,103 +137,273 @@ class Preparer:
         model_key = Serves.of(self.server.layers, self.server.model_info).model
         for job_id, raw in self.db.run(lambda s: repo.jobs_to_prepare(s, model_key)):
             options = JobOptions.model_validate(raw or {})
-            template = self._template(job_id, options)
-            if template is None:
+            folder = options.tokenizer or self._model_path()
+            if folder is None:
+                continue  # the server has not said its model yet
+            abort = _JobAbort(self.stop, self.db, job_id)
+            facts = self._template_facts(job_id, folder, abort)
+            if facts is None:
                 continue
             if options.tokenizer is None:  # rendered for this worker's model: the job is that model's
                 self.db.run(lambda s, j=job_id: repo.pin_job_model(s, j, model_key))  # type: ignore[misc]
             batch = self.db.run(lambda s, j=job_id: repo.claim_preparing(s, j, self.identity, BATCH))  # type: ignore[misc]
             if not batch:
                 continue
-            results = self._prepare(batch, template, options)
-            self.db.run(lambda s, j=job_id, r=results: repo.store_prepared(s, j, self.identity, r))  # type: ignore[misc]
-            self.prepared += len(results)
+            self.health.set("preparing")
+            try:
+                results = self._prepare(batch, folder, facts, options, abort)
+                self._store(job_id, results)
+            except BaseException:
+                self._release(batch)  # what was not stored is prepared again, here or by another writer
+                raise
+            self._release([item for item in batch if item.pk not in {r.pk for r in results}])
+            self.health.prepared += len(results)
             if any(r.state == SampleState.QUEUED for r in results):
                 self.queued()
             self.finisher.finish(job_id)  # a last batch that queued nothing ends its job here
             return True
         return False
 
-    def _template(self, job_id: str, options: JobOptions) -> ChatTemplate | None:
-        """The job's chat template; None while the model server has not said its model yet, or when it
-        cannot be loaded (the job then fails with the reason)."""
-        path = options.tokenizer or self._model_path()
-        if path is None:
-            return None
-        template = self._templates.get(path)
-        if template is not None:
-            return template
+    def _template_facts(self, job_id: str, folder: str, abort: _JobAbort) -> TemplateFacts | None:
+        """The job's template, loaded; None when it cannot be (the job then fails with the reason) or the
+        job was cancelled meanwhile."""
+        facts = self._facts.get(folder)
+        if facts is not None:
+            self._facts.move_to_end(folder)
+            return facts
         try:
-            template = ChatTemplate.load(path)
+            facts = self.templates.facts(folder, abort)
+        except RenderFailed as exc:
+            if exc.code == "aborted":
+                return None
+            reason = f"tokenizer: the chat template could not be loaded: {exc}"
         except ChatTemplateError as exc:
-            reason = f"tokenizer: cannot render conversations with {path}: {exc}"
-            log.warning("job %s: %s", job_id, reason)
-            self.db.run(lambda s: repo.fail_job(s, job_id, reason))
-            self.finisher.finish(job_id)
-            return None
-        self._templates[path] = template
-        return template
+            reason = f"tokenizer: cannot render conversations with it: {exc}"
+        else:
+            self._facts[folder] = facts
+            while len(self._facts) > FACTS_KEPT:
+                self._facts.popitem(last=False)
+            return facts
+        log.warning("job %s: %s", job_id, reason)
+        self.db.run(lambda s: repo.fail_job(s, job_id, reason))
+        self.finisher.finish(job_id)
+        return None
 
     def _model_path(self) -> str | None:
         path = self.server.model_info.get("model_path")
         return str(path) if path else None
 
-    def _prepare(self, batch: list[repo.ToPrepare], template: ChatTemplate, options: JobOptions) -> list[repo.Prepared]:
-        conversations: list[list[Message] | None] = [json.loads(item.conversation) for item in batch]
-        regenerated: list[list[Message] | str | None] = [None] * len(batch)
+    def _prepare(
+        self,
+        batch: list[repo.ToPrepare],
+        folder: str,
+        facts: TemplateFacts,
+        options: JobOptions,
+        abort: _JobAbort,
+    ) -> list[repo.Prepared]:
+        """What became of each sample of the batch, in order, up to the first one not prepared because
+        the job was cancelled or the writer is stopping (those are given back)."""
         if options.regenerate is not None:
-            regenerated = asyncio.run(self._regenerate(conversations, template, options))
+            return asyncio.run(self._regenerate(batch, folder, facts, options, abort))
         results = []
-        for item, turns, new in zip(batch, conversations, regenerated):
-            if isinstance(new, str):  # generation failed: the sample fails with the reason
-                results.append(repo.Prepared(item.pk, SampleState.FAILED, reason=new))
+        for item in batch:
+            if abort():
+                break
+            try:
+                rendered = self.templates.render(folder, _messages(item), options.loss, abort)
+            except RenderFailed as exc:
+                if exc.code == "aborted":
+                    break
+                results.append(_failed(item.pk, exc))
                 continue
-            messages = new if new is not None else turns
-            results.append(self._render(item.pk, messages or [], template, options, regenerated=new is not None))
+            except ConversationError as exc:
+                results.append(_invalid(item.pk, exc, options))
+                continue
+            except ChatTemplateError as exc:  # the folder changed under a running job
+                results.append(repo.Prepared(item.pk, SampleState.FAILED, reason=f"tokenizer: {exc}"))
+                continue
+            results.append(self._fitted(item.pk, rendered, options, conversation=None))
         return results
 
-    def _render(
-        self, pk: int, messages: list[Message], template: ChatTemplate, options: JobOptions, *, regenerated: bool
+    def _fitted(
+        self, pk: int, rendered: RenderedIds, options: JobOptions, *, conversation: str | None
     ) -> repo.Prepared:
-        try:
-            rendered = template.render(messages, options.loss)
-        except ConversationError as exc:
-            state = SampleState.SKIPPED if options.on_invalid == "skip" else SampleState.FAILED
-            return repo.Prepared(pk, state, reason=f"invalid: {exc.field}: {exc.message}")
-        conversation = json.dumps(messages) if regenerated else None
+        """The rendered sample under the job's length policy: queued (cut to fit under truncate), skipped
+        or failed; skipped as well when no token of it is left for the loss (a trainer would learn
+        nothing from it)."""
+        n = len(rendered.input_ids)
         limit = options.max_length
-        if limit is not None and len(rendered.input_ids) > limit:
-            why = f"too_long: {len(rendered.input_ids)} tokens exceed max_length of {limit}"
+        ids, mask = rendered.input_ids, rendered.loss_mask
+        truncated_from = None
+        if limit is not None and n > limit:
+            why = f"too_long: {n} tokens exceed max_length of {limit}"
             if options.length_policy == "skip":
                 return repo.Prepared(pk, SampleState.SKIPPED, reason=why, conversation=conversation)
             if options.length_policy == "reject":
                 return repo.Prepared(pk, SampleState.FAILED, reason=why, conversation=conversation)
-            rendered = Rendered(rendered.input_ids[:limit], rendered.loss_mask[:limit], rendered.text)
-        return _queued(pk, rendered, conversation)
+            ids, mask, truncated_from = ids[:limit], mask[:limit], n
+        if options.loss != "all" and not mask.any():
+            why = NO_LOSS_TOKENS + (
+                f": cut from {n} to {limit} tokens, no assistant token is left"
+                if truncated_from is not None
+                else ": the conversation has no assistant turn to learn from"
+            )
+            return repo.Prepared(pk, SampleState.SKIPPED, reason=why, conversation=conversation)
+        return _queued(pk, ids, mask, conversation, truncated_from)
 
     async def _regenerate(
-        self, conversations: list[list[Message] | None], template: ChatTemplate, options: JobOptions
-    ) -> list[list[Message] | str | None]:
-        assert options.regenerate is not None
+        self,
+        batch: list[repo.ToPrepare],
+        folder: str,
+        facts: TemplateFacts,
+        options: JobOptions,
+        abort: _JobAbort,
+    ) -> list[repo.Prepared]:
         spec = options.regenerate
+        assert spec is not None
         sampling = Sampling(spec.max_new_tokens, spec.temperature, spec.top_p, spec.seed)
         gate = asyncio.Semaphore(spec.concurrency)
+        renderer = _ProcessRenderer(self.templates, folder, facts, abort)
         timeout = httpx.Timeout(self.settings.request_timeout_s)
         async with httpx.AsyncClient(base_url=self.settings.backend_url, timeout=timeout) as client:
 
-            async def one(turns: list[Message] | None) -> list[Message] | str:
+            async def one(item: repo.ToPrepare) -> repo.Prepared | None:
                 async with gate:
-                    try:
-                        messages, _ids = await regenerate(client, template, turns or [], sampling)
-                    except (httpx.HTTPError, ValueError, KeyError) as exc:
-                        return f"regenerate: {type(exc).__name__}: {exc}"
-                    return messages
+                    if abort():
+                        return None
+                    return await self._regenerate_one(client, renderer, item, sampling, options)
 
-            return list(await asyncio.gather(*(one(t) for t in conversations)))
+            tasks = [asyncio.ensure_future(one(item)) for item in batch]
+            watch = asyncio.ensure_future(_cancel_on_abort(tasks, abort))
+            try:
+                done = await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                watch.cancel()
+        for outcome in done:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+        return [outcome for outcome in done if isinstance(outcome, repo.Prepared)]
+
+    async def _regenerate_one(
+        self,
+        client: httpx.AsyncClient,
+        renderer: _ProcessRenderer,
+        item: repo.ToPrepare,
+        sampling: Sampling,
+        options: JobOptions,
+    ) -> repo.Prepared | None:
+        """One sample regenerated and fitted to the job's length policy; None when stopped (aborted)."""
+        try:
+            new = await regenerate(client, renderer, _messages(item), sampling, options.loss, options.max_length)
+        except RenderFailed as exc:
+            return None if exc.code == "aborted" else _failed(item.pk, exc)
+        except ConversationError as exc:
+            return _invalid(item.pk, exc, options)
+        except ChatTemplateError as exc:
+            return repo.Prepared(item.pk, SampleState.FAILED, reason=f"tokenizer: {exc}")
+        except (RegenerationError, httpx.HTTPError, ValueError, KeyError) as exc:
+            return repo.Prepared(item.pk, SampleState.FAILED, reason=f"regenerate: {type(exc).__name__}: {exc}")
+        rendered = RenderedIds(new.input_ids, new.loss_mask)
+        return self._fitted(item.pk, rendered, options, conversation=json.dumps(new.messages))
+
+    def _store(self, job_id: str, results: list[repo.Prepared]) -> None:
+        """Store the batch; when that fails, each sample alone, so that one the database refuses fails with
+        the reason and holds none of the others."""
+        try:
+            self.db.run(lambda s: repo.store_prepared(s, job_id, self.identity, results))
+            return
+        except repo.LeaseLost:
+            raise
+        except Exception as exc:
+            log.warning(
+                "job %s: storing %d prepared samples at once failed (%s); one by one now", job_id, len(results), exc
+            )
+        for result in results:
+            try:
+                self.db.run(lambda s, r=result: repo.store_prepared(s, job_id, self.identity, [r]))  # type: ignore[misc]
+            except repo.LeaseLost:
+                raise
+            except Exception as exc:
+                why = f"store: the database refused the prepared sample: {type(exc).__name__}: {str(exc)[:300]}"
+                failed = repo.Prepared(result.pk, SampleState.FAILED, reason=why)
+                self.db.run(lambda s, f=failed: repo.store_prepared(s, job_id, self.identity, [f]))  # type: ignore[misc]
+
+    def _release(self, items: list[repo.ToPrepare]) -> None:
+        """Give back claimed samples still preparing (best effort: a writer's restart releases them too)."""
+        if not items:
+            return
+        pks = [item.pk for item in items]
+        try:
+            self.db.run(lambda s: repo.release_preparing(s, self.identity, pks))
+        except Exception:
+            log.warning("could not give back %d claimed conversations; they are released at restart", len(pks))
 
 
-def _queued(pk: int, rendered: Rendered, conversation: str | None) -> repo.Prepared:
-    ids = np.asarray(rendered.input_ids, dtype="<i4")
-    mask = np.asarray(rendered.loss_mask, dtype=np.uint8)
+class _ProcessRenderer:
+    """hsx.chat.regenerate's Renderer over the template process: one call at a time, off the event loop."""
+
+    def __init__(self, templates: TemplateProcess, folder: str, facts: TemplateFacts, abort: _JobAbort):
+        self.templates, self.folder, self.abort = templates, folder, abort
+        self.stop_ids, self.end_of_turn = facts.stop_ids, facts.end_of_turn
+        self._lock = asyncio.Lock()
+
+    async def continuation(self, messages: list[Message], *, generation_prompt: bool) -> list[int]:
+        async with self._lock:
+            return await asyncio.to_thread(
+                self.templates.continuation,
+                self.folder,
+                messages,
+                generation_prompt=generation_prompt,
+                abort=self.abort,
+            )
+
+    async def decode(self, ids: list[int]) -> str:
+        async with self._lock:
+            return await asyncio.to_thread(self.templates.decode, self.folder, ids, self.abort)
+
+
+async def _cancel_on_abort(tasks: Sequence[asyncio.Future[repo.Prepared | None]], abort: _JobAbort) -> None:
+    """Generation in flight stops once the job is cancelled or the writer stops."""
+    while not all(t.done() for t in tasks):
+        if await asyncio.to_thread(abort):
+            for t in tasks:
+                t.cancel()
+            return
+        await asyncio.sleep(0.2)
+
+
+def _messages(item: repo.ToPrepare) -> list[Message]:
+    """The sample's turns; a record that does not parse is an invalid conversation, as the template would
+    find an empty one."""
+    try:
+        turns = json.loads(item.conversation)
+    except ValueError as exc:
+        raise ConversationError("messages", f"the stored conversation does not parse: {exc}") from exc
+    return list(turns) if isinstance(turns, list) else []
+
+
+def _invalid(pk: int, exc: ConversationError, options: JobOptions) -> repo.Prepared:
+    state = SampleState.SKIPPED if options.on_invalid == "skip" else SampleState.FAILED
+    return repo.Prepared(pk, state, reason=f"invalid: {exc.field}: {exc.message}")
+
+
+def _failed(pk: int, exc: RenderFailed) -> repo.Prepared:
+    code = "prepare_timeout" if exc.code == "timeout" else "prepare_failed"
+    return repo.Prepared(pk, SampleState.FAILED, reason=f"{code}: {exc.message}")
+
+
+def _queued(
+    pk: int, ids: np.ndarray, mask: np.ndarray, conversation: str | None, truncated_from: int | None
+) -> repo.Prepared:
+    ids = np.asarray(ids, dtype="<i4")
+    mask = np.asarray(mask, dtype=np.uint8)
     packed_mask = None if mask.all() else mask.tobytes()
-    return repo.Prepared(pk, SampleState.QUEUED, ids.tobytes(), packed_mask, len(ids), conversation=conversation)
+    return repo.Prepared(
+        pk,
+        SampleState.QUEUED,
+        ids.tobytes(),
+        packed_mask,
+        len(ids),
+        conversation=conversation,
+        truncated_from=truncated_from,
+    )

@@ -39,7 +39,7 @@ class StatusReport:
     """Records the writer's status in the database, renewing its lease: at once when the status
     changes, else from the heartbeat thread every `lease.renew_every_s`."""
 
-    def __init__(self, status: WriterStatus, lease: Lease, db: Database, stats: Callable[[], dict[str, float]]):
+    def __init__(self, status: WriterStatus, lease: Lease, db: Database, stats: Callable[[], dict[str, object]]):
         self.status = status
         self.lease = lease
         self.identity = lease.identity

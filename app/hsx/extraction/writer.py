@@ -40,7 +40,7 @@ from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.flusher import ShardFlusher
 from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
-from hsx.extraction.preparer import Preparer
+from hsx.extraction.preparer import Preparer, PreparerHealth
 from hsx.extraction.request_loop import RequestLoop
 from hsx.extraction.server_watch import ServerWatch
 from hsx.extraction.status import StatusReport, WriterStatus
@@ -106,6 +106,7 @@ class Writer:
             server=server,
             finisher=finisher,
             queued=self._requests.notify_work,
+            stop=self._stop,
         )
 
     def acquire(self) -> None:
@@ -172,11 +173,16 @@ class Writer:
             except Exception:
                 log.exception("heartbeat failed")
 
+    @property
+    def preparer(self) -> PreparerHealth:
+        """What the preparer last did (/healthz, /metrics)."""
+        return self._preparer.health
+
     def _prepare(self) -> None:
         """Render (and regenerate) conversations ahead of the request loops; see hsx.extraction.preparer."""
         while not self._stop.is_set():
             try:
-                self._preparer.run(self._stop)
+                self._preparer.run()
             except repo.LeaseLost as exc:
                 self.lease.lost(exc.epoch, exc)
 
@@ -184,11 +190,12 @@ class Writer:
         """One preparer turn (tests drive it directly); whether a batch was prepared."""
         return self._preparer.step()
 
-    def _stats(self) -> dict[str, float]:
+    def _stats(self) -> dict[str, object]:
         return {
             "samples_staged": self.metrics.samples_staged,
             "tokens_extracted": self.metrics.tokens_extracted,
             "tokens_per_s": self.metrics.tokens_per_second(),
+            "preparer": self._preparer.health.as_dict(),
         }
 
     def _run(self, step: Callable[[int], object], slot: int) -> None:

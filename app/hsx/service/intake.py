@@ -32,7 +32,7 @@ from hsx.service.errors import FieldError, InsufficientStorage, InvalidInput, Ou
 from hsx.service.lines import LineSplitter, LineTooLongError
 from hsx.service.spool import SampleSpool
 from hsx.states import SampleState
-from hsx.wire import MAX_TOKEN_ID, JobOptions, SampleIn, parse_body
+from hsx.wire import MAX_TOKEN_ID, NO_LOSS_TOKENS, JobOptions, SampleIn, parse_body
 
 if TYPE_CHECKING:
     from _hashlib import HASH
@@ -180,8 +180,12 @@ class Ingest:
                 return None
             id_array = id_array[:limit]
             mask_array = None if mask_array is None else mask_array[:limit]
+            if mask_array is not None and not mask_array.any():
+                why = f"{NO_LOSS_TOKENS}: cut from {len(ids)} to {limit} tokens, no token of the loss mask is left"
+                return NewSample(sid, b"", None, 0, SampleState.SKIPPED, reason=why)
         packed_mask = None if mask_array is None or mask_array.all() else mask_array.tobytes()
-        return NewSample(sid, id_array.tobytes(), packed_mask, len(id_array))
+        cut = len(ids) if len(id_array) < len(ids) else None
+        return NewSample(sid, id_array.tobytes(), packed_mask, len(id_array), truncated_from=cut)
 
     def _arrays(
         self, ids: list[int], mask: list[int] | None, err: Callable[[str, str], None]

@@ -22,9 +22,9 @@ from hsx.states import SampleState
 MEMORY_BYTES = 8 * 1024 * 1024
 WRITE_BYTES = 256 * 1024
 # sample id bytes, tokens, whether a loss mask follows (one byte per token), the state's index in
-# _STATES, conversation bytes, reason bytes; then the id, the int32 input ids, the mask, the
-# conversation's JSON and the reason.
-_HEADER = struct.Struct("<IIBBII")
+# _STATES, conversation bytes, reason bytes, the tokens before a cut (0: not cut); then the id, the
+# int32 input ids, the mask, the conversation's JSON and the reason.
+_HEADER = struct.Struct("<IIBBIII")
 _STATES = (SampleState.QUEUED, SampleState.PREPARING, SampleState.SKIPPED)
 
 
@@ -43,7 +43,13 @@ class SampleSpool:
         reason = (sample.reason or "").encode()
         pending = self._pending
         pending += _HEADER.pack(
-            len(sid), sample.num_tokens, mask is not None, _STATES.index(sample.state), len(conversation), len(reason)
+            len(sid),
+            sample.num_tokens,
+            mask is not None,
+            _STATES.index(sample.state),
+            len(conversation),
+            len(reason),
+            sample.truncated_from or 0,
         )
         pending += sid
         pending += sample.input_ids
@@ -91,7 +97,7 @@ class SampleSpool:
         f.seek(0)
         try:
             while f.tell() < end:
-                sid_len, tokens, has_mask, state, conv_len, reason_len = _HEADER.unpack(f.read(_HEADER.size))
+                sid_len, tokens, has_mask, state, conv_len, reason_len, cut = _HEADER.unpack(f.read(_HEADER.size))
                 sid = f.read(sid_len).decode()
                 ids_len = tokens * 4 if _STATES[state] == SampleState.QUEUED else 0
                 data_len = ids_len + (tokens if has_mask else 0) + conv_len + reason_len
@@ -103,6 +109,6 @@ class SampleSpool:
                 mask = f.read(tokens) if has_mask else None
                 conversation = f.read(conv_len).decode() if conv_len else None
                 reason = f.read(reason_len).decode() if reason_len else None
-                yield NewSample(sid, ids, mask, tokens, _STATES[state], conversation, reason)
+                yield NewSample(sid, ids, mask, tokens, _STATES[state], conversation, reason, cut or None)
         finally:
             f.seek(end)

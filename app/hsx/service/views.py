@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from typing import Any
 
 from hsx.db import repository as repo
 from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
@@ -16,6 +17,7 @@ from hsx.wire import (
     Counts,
     JobOptions,
     JobOut,
+    PreparerOut,
     SampleOut,
     ShardOut,
     Throughput,
@@ -64,6 +66,7 @@ def job_out(job: JobRow, waiting: str | None = None, attempts: list[tuple[str, s
             failed=job.n_failed,
             cancelled=job.n_cancelled,
             skipped=job.n_skipped,
+            truncated=job.n_truncated or 0,
         ),
         tokens=Tokens(total=job.tokens_total, done=job.tokens_done, staged=job.tokens_staged),
         attempts=attempts_out(attempts or [], job.n_requeued or 0),
@@ -131,6 +134,7 @@ def sample_out(s: SampleRow, attempts: Sequence[AttemptRow] | None = None) -> Sa
         last_error=s.last_error,
         shard=s.shard,
         offset=s.shard_offset,
+        truncated_from=s.truncated_from,
         attempt_log=log,
         messages=json.loads(s.conversation) if attempts is not None and s.conversation else None,
     )
@@ -177,7 +181,16 @@ def writer_out(w: WriterRow) -> WriterOut:
         server=w.server,
         heartbeat_at=utc(w.heartbeat_at),
         tokens_per_s=(w.stats or {}).get("tokens_per_s"),
+        preparer=preparer_out(w.stats),
     )
+
+
+def preparer_out(stats: dict[str, Any] | None) -> PreparerOut | None:
+    """A writer's preparer as its heartbeat reported it; None from a writer that reports none."""
+    reported = (stats or {}).get("preparer")
+    if not isinstance(reported, dict):
+        return None
+    return PreparerOut.model_validate({k: reported.get(k) for k in ("state", "reason", "prepared")})
 
 
 def worker_out(w: WriterRow) -> WorkerOut:
@@ -198,4 +211,5 @@ def worker_out(w: WriterRow) -> WorkerOut:
         lease=w.epoch,
         samples_staged=stats.get("samples_staged"),
         tokens_per_s=stats.get("tokens_per_s"),
+        preparer=preparer_out(stats),
     )

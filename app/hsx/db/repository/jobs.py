@@ -46,6 +46,7 @@ class NewSample:
     state: SampleState = SampleState.QUEUED
     conversation: str | None = None  # the turns as JSON
     reason: str | None = None
+    truncated_from: int | None = None  # its token count before the length policy cut it
 
 
 _SAMPLE_INSERT_COLUMNS = (
@@ -58,6 +59,7 @@ _SAMPLE_INSERT_COLUMNS = (
     "num_tokens",
     "conversation",
     "last_error",
+    "truncated_from",
     "attempts",
     "tries",
     "updated_at",
@@ -104,6 +106,7 @@ class JobBuilder:
             n_failed=0,
             n_cancelled=0,
             n_skipped=0,
+            n_truncated=0,
             n_requeued=0,
             shards_written=0,
         )
@@ -111,6 +114,7 @@ class JobBuilder:
         session.flush()
         self.count = 0
         self.tokens = 0
+        self.truncated = 0
         self.states: Counter[SampleState] = Counter()
 
     def add(self, samples: list[NewSample]) -> None:
@@ -134,6 +138,7 @@ class JobBuilder:
                 s.num_tokens,
                 s.conversation,
                 s.reason,
+                s.truncated_from,
                 0,
                 0,
                 now,
@@ -153,12 +158,14 @@ class JobBuilder:
         self.count += len(samples)
         self.tokens += sum(s.num_tokens for s in samples if s.state == SampleState.QUEUED)
         self.states.update(s.state for s in samples)
+        self.truncated += sum(1 for s in samples if s.truncated_from is not None)
 
     def finish(self) -> JobRow:
         self.job.num_samples = self.count
         self.job.n_queued = self.states[SampleState.QUEUED]
         self.job.n_preparing = self.states[SampleState.PREPARING]
         self.job.n_skipped = self.states[SampleState.SKIPPED]
+        self.job.n_truncated = self.truncated
         self.job.tokens_total = self.tokens
         self.session.flush()
         return self.job
@@ -308,11 +315,21 @@ def final_state(job: JobRow) -> JobState | None:
     return JobState.PARTIAL if job.n_failed else JobState.SUCCEEDED
 
 
-def _nothing_stored(job: JobRow) -> str | None:
-    """Why a job that ends failed stored nothing, when no sample failure says it."""
-    if job.n_failed or job.error:
+def _nothing_stored(session: Session, job: JobRow) -> str:
+    """Why a job that ends failed stored nothing: its own error, else what its samples say."""
+    if job.error:
         return job.error
-    return f"no sample to extract: all {job.num_samples} were skipped (see each sample's reason)"
+    if not job.n_failed:
+        return f"no sample to extract: all {job.num_samples} were skipped (see each sample's reason)"
+    first = session.execute(
+        select(SampleRow.sample_id, SampleRow.last_error)
+        .where(SampleRow.job_id == job.id, SampleRow.state == SampleState.FAILED)
+        .order_by(SampleRow.idx)
+        .limit(1)
+    ).first()
+    skipped = f" and {job.n_skipped} skipped" if job.n_skipped else ""
+    which = f"; the first, {first.sample_id}: {first.last_error}" if first is not None else ""
+    return f"nothing stored: {job.n_failed} failed{skipped} (see each sample's reason){which}"
 
 
 def finish_job_if_done(session: Session, job_id: str) -> bool:
@@ -323,7 +340,7 @@ def finish_job_if_done(session: Session, job_id: str) -> bool:
     state = final_state(job)
     if state is None:
         return False
-    error = _nothing_stored(job) if state == JobState.FAILED else job.error
+    error = _nothing_stored(session, job) if state == JobState.FAILED else job.error
     result = session.execute(
         update(JobRow)
         .where(

@@ -38,6 +38,7 @@ class Prepared:
     num_tokens: int = 0
     conversation: str | None = None  # the regenerated turns, when they were
     reason: str | None = None
+    truncated_from: int | None = None  # its token count before the length policy cut it
 
 
 def jobs_to_prepare(session: Session, model_key: str | None) -> list[tuple[str, dict[str, Any] | None]]:
@@ -111,22 +112,30 @@ def store_prepared(session: Session, job_id: str, writer: str, results: list[Pre
         regenerated = {r.pk: r.conversation for r in batch if r.conversation is not None}
         if regenerated:
             per_sample["conversation"] = regenerated
+        cut = {r.pk: r.truncated_from for r in batch if r.truncated_from is not None}
+        if cut:
+            per_sample["truncated_from"] = cut
         pks = [r.pk for r in batch]
         moved += _transition(
             session, job_id, pks, SampleState.PREPARING, state, {"writer": None}, per_sample=per_sample
         )
         if state == SampleState.QUEUED:
             tokens = sum(r.num_tokens for r in batch)
-            session.execute(update(JobRow).where(JobRow.id == job_id).values(tokens_total=JobRow.tokens_total + tokens))
+            session.execute(
+                update(JobRow)
+                .where(JobRow.id == job_id)
+                .values(tokens_total=JobRow.tokens_total + tokens, n_truncated=JobRow.n_truncated + len(cut))
+            )
     return moved
 
 
-def release_preparing(session: Session, writer: str) -> int:
-    """Give back the preparing samples `writer` claimed (it restarted, or its lease was taken over)."""
+def release_preparing(session: Session, writer: str, pks: list[int] | None = None) -> int:
+    """Give back the preparing samples `writer` claimed (all of them: it restarted, or its lease was taken
+    over; or those of `pks`, which it stopped before preparing)."""
+    which = [SampleRow.writer == writer, SampleRow.state == SampleState.PREPARING]
+    if pks is not None:
+        which.append(SampleRow.pk.in_(pks))
     result = session.execute(
-        update(SampleRow)
-        .where(SampleRow.writer == writer, SampleRow.state == SampleState.PREPARING)
-        .values(writer=None)
-        .execution_options(synchronize_session=False)
+        update(SampleRow).where(*which).values(writer=None).execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)

@@ -70,8 +70,9 @@ def get_shard(session: Session, job_id: str, name: str) -> ShardRow | None:
 
 def iter_stored_samples(
     session: Session, job_id: str, batch: int = 10000
-) -> Iterator[Row[int, str, str | None, int | None, int, str | None]]:
-    """(sample_id, shard, offset, num_tokens, identity) of every stored sample, in job order, in batches."""
+) -> Iterator[Row[int, str, str | None, int | None, int, str | None, int | None]]:
+    """(sample_id, shard, offset, num_tokens, identity, truncated_from) of every stored sample, in job order, in
+    batches."""
     last = -1
     while True:
         rows = session.execute(
@@ -82,6 +83,7 @@ def iter_stored_samples(
                 SampleRow.shard_offset,
                 SampleRow.num_tokens,
                 SampleRow.identity,
+                SampleRow.truncated_from,
             )
             .where(SampleRow.job_id == job_id, SampleRow.state == SampleState.SUCCEEDED, SampleRow.idx > last)
             .order_by(SampleRow.idx)

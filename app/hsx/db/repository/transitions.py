@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, Update, bindparam, case, func, select, update
+from sqlalchemy import ColumnElement, Select, Update, bindparam, case, cast, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import ReturningUpdate
 
@@ -82,7 +82,9 @@ def _transition(
             # Rare moves (SQL expressions, or a value per sample): built for the occasion.
             stamp = {"state": dst, "updated_at": now, **values}
             for column, by_pk in (per_sample or {}).items():
-                stamp[column] = case(by_pk, value=_samples.c.pk)
+                # Typed as its column: a CASE whose every branch is NULL is text to Postgres, which then
+                # refuses it for a bytea or integer column.
+                stamp[column] = cast(case(by_pk, value=_samples.c.pk), _samples.c[column].type)
             statement = (
                 update(_samples)
                 .where(_samples.c.pk.in_(pks), _samples.c.state == src)
