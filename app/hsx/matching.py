@@ -74,7 +74,11 @@ class Waiting:
             needs.append(f"layers [{job.layers_key.replace(',', ', ')}]")
         if job.model_key is not None:
             path = (job.model_info or {}).get("model_path")
-            needs.append(f"the model its first sample came from ({path})")
+            needs.append(
+                f"the model its first sample came from ({path})"
+                if path
+                else "the model whose chat template rendered its conversations"
+            )
         offers = "; ".join(f"{w.identity} gives {_offer(w)}" for w in self.writers)
         return f"no live worker serves this job: it needs {' and '.join(needs)}; {offers}"
 

@@ -4,6 +4,7 @@ is read, the server-sent-events decoder, backoff, and the resumable shard downlo
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -32,6 +33,8 @@ from hsx.sdk.models import (
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.atomic import atomic_file, fsync_path
 from hsx.wire import JobOptions
+
+log = logging.getLogger("hsx.sdk")
 
 if TYPE_CHECKING:
     import torch
@@ -278,7 +281,14 @@ class Poll:
         self.last: Job | None = None
 
     def finished(self, current: Job) -> bool:
-        self.last = current
+        previous, self.last = self.last, current
+        said = previous.waiting_reason if previous is not None else None
+        if current.waiting_reason != said and current.state not in TERMINAL_JOB_STATES:
+            # A job that waits looks like a hang from its counts alone: say why, once each time it changes.
+            if current.waiting_reason:
+                log.warning("job %s waits: %s", current.id, current.waiting_reason)
+            else:
+                log.info("job %s no longer waits", current.id)
         if self.on_progress is not None:
             self.on_progress(current)
         return current.state in TERMINAL_JOB_STATES
@@ -290,6 +300,8 @@ class Poll:
             left = self.deadline - time.monotonic()
             if left <= 0:
                 what = f"still {self.last.state}" if self.last is not None else "not reachable"
+                if self.last is not None and self.last.waiting_reason:
+                    what += f", waiting: {self.last.waiting_reason}"
                 raise TimeoutError(f"job {job_id(self.job)} is {what} after {self.timeout}s")
             delay = min(delay, left)
         return delay

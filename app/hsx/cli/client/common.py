@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace, body: Callable[[HsxClient], int | None]) -> in
     from hsx.sdk import HsxClient, HsxError
 
     prog = f"hsx {getattr(args, 'command', '') or ''}".strip()
+    # The SDK logs why a job waits; the commands print it with their progress instead (Progress).
+    logging.getLogger("hsx.sdk").setLevel(logging.ERROR)
     client = None
     try:
         client = HsxClient(args.url, token=args.token)
@@ -137,7 +140,13 @@ def progress_line(job: Job, width: int = 30) -> str:
         + (f"  cancelled {c.cancelled}" if c.cancelled else "")
         + (f"  preparing {c.preparing}" if c.preparing else "")
         + (f"  skipped {c.skipped}" if c.skipped else "")
+        + (f"  truncated {c.truncated}" if c.truncated else "")
     )
+
+
+def waiting_line(job: Job) -> str | None:
+    """Why an active job makes no progress, as a line of its own; None while it does."""
+    return f"waiting: {job.waiting_reason}" if job.waiting_reason else None
 
 
 class Progress:
@@ -149,6 +158,7 @@ class Progress:
         self.as_json, self.every, self.indent = as_json, every, indent
         self.tty = not as_json and self.stream.isatty()
         self.last, self.last_t, self.drawn = "", 0.0, False
+        self.waiting: str | None = None
 
     def __call__(self, job: Job) -> None:
         if self.as_json:
@@ -157,6 +167,14 @@ class Progress:
                 print_json(job, self.stream)
                 self.last = key
             return
+        waiting = waiting_line(job)
+        if waiting != self.waiting:
+            # Said once each time it changes, above the progress: the counts alone look like a hang.
+            self.waiting = waiting
+            if waiting is not None:
+                prefix = "\r\033[K" if self.drawn else ""
+                print(prefix + self.indent + waiting, file=self.stream, flush=True)
+                self.drawn = False
         line = self.indent + progress_line(job)
         if self.tty:
             self.stream.write("\r\033[K" + line)

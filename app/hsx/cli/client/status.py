@@ -14,6 +14,7 @@ from hsx.cli.client.common import (
     print_json,
     progress_line,
     run,
+    waiting_line,
     when,
 )
 
@@ -85,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
             if args.json:
                 print_json(job)
             else:
-                print("\n".join([*describe(job), progress_line(job)]))
+                print("\n".join([*describe(job), progress_line(job), *filter(None, [waiting_line(job)])]))
             return 0
         progress = Progress(as_json=args.json)
         if not args.json:
