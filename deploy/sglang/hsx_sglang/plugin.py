@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -34,16 +35,31 @@ PREFILL_TARGET = f"{PROCESSOR_CLASS}.process_batch_result_prefill"
 AUX_CAPTURE_METHOD = "eagle3"  # SGLang's name for `--speculative-algorithm EAGLE3` in aux-capture mode
 
 
+def _heard() -> None:
+    """Make the plugin's lines reach the server's log. SGLang loads plugins before it configures logging, so
+    an INFO line (the one saying whether the plugin is active) would meet no handler and be dropped: where
+    nothing handles the plugin's logger yet, it gets a handler of its own on stderr."""
+    if log.hasHandlers():
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # said once, whatever SGLang's own handlers become
+
+
 def register() -> None:
-    """Entry point of the `sglang.srt.plugins` group."""
+    """Entry point of the `sglang.srt.plugins` group. Logs one line saying whether the plugin is active."""
+    _heard()
     try:
         settings = settings_from_env(os.environ)
     except SettingsError as exc:
         log.error("hsx-sglang: %s; idle, no dumps", exc)
         return
     if settings is None:
-        log.info("hsx-sglang: HSX_DUMP_ROOT is not set; idle, no hooks registered")
+        log.warning("hsx-sglang: HSX_DUMP_ROOT is not set; idle, no hooks registered, no dumps")
         return
+    log.info("hsx-sglang: active, dumps to %s once the model is loaded (pid %d)", settings.dump_root, os.getpid())
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     hooks = SchedulerHooks(settings, shared_boot_id(os.environ))
