@@ -328,7 +328,16 @@ class ShardFlusher:
         unnumbered = folder / f".unnumbered-{secrets.token_hex(8)}.tmp-{os.getpid()}"
         started = time.monotonic()
         try:
-            shard = write_shard(unnumbered, [p for _, p in pieces], info["layers"], info["dtype"], info["hidden_size"])
+            shard = write_shard(
+                unnumbered,
+                [p for _, p in pieces],
+                info["layers"],
+                info["dtype"],
+                info["hidden_size"],
+                # the job's encoding (JobOptions.encoding) is done here, in the flusher's thread, off the
+                # request loop's path
+                encoding=(job.options or {}).get("encoding", "raw"),
+            )
         except NonFiniteSamples as exc:
             # Only those samples failed: their attempts say why, the others wait for the next shard.
             self._reject(job_id, [(x, exc.reasons[p.sample_id]) for x, p in pieces if p.sample_id in exc.reasons])
@@ -345,10 +354,19 @@ class ShardFlusher:
         finally:
             unnumbered.unlink(missing_ok=True)
         placed = [(x.pk, off, p.num_tokens) for (x, p), off in zip(pieces, shard.offsets)]
+        layer_stats = (
+            None if shard.layer_stats is None else {str(i): st.to_json() for i, st in shard.layer_stats.items()}
+        )
         try:
             self.db.run(
                 lambda s: repo.commit_shard(
-                    s, job_id, name=out.name, nbytes=shard.bytes, sha256=shard.sha256, placed=placed
+                    s,
+                    job_id,
+                    name=out.name,
+                    nbytes=shard.bytes,
+                    sha256=shard.sha256,
+                    placed=placed,
+                    layer_stats=layer_stats,
                 )
             )
         except repo.LeaseLost:

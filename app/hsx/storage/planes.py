@@ -1,0 +1,68 @@
+"""The lossless encoding's codec: a block of rows split into byte planes, each plane one zstd frame.
+
+Plane p holds byte p (0: the least significant) of every value of the block, in order. The planes
+differ in how much they can be squeezed: a bfloat16's high byte (its sign and most of its exponent)
+takes about 2.7 bits a value in hidden states, its low byte (the last exponent bit and the mantissa)
+about 8; zstd (level 1: Huffman-coded literals with short matches) gets each plane close to what its
+byte distribution allows, and a plane given its own frame keeps its own code table, which one frame
+across planes would mix. Measured against zstd and zlib over the raw bytes, Blosc2's byte- and
+bit-shuffle filters in front of zstd and LZ4, and lzma over planes: docs/performance.md, "Encodings".
+
+zstd comes from the `zstandard` package; Python 3.14's `compression.zstd` reads the same frames.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import zstandard
+
+LEVEL = 1
+
+_local = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    # One per thread: a (de)compressor holds its own working memory and is not to be shared.
+    compressor: zstandard.ZstdCompressor | None = getattr(_local, "compressor", None)
+    if compressor is None:
+        compressor = _local.compressor = zstandard.ZstdCompressor(level=LEVEL)
+    return compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    decompressor: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
+    if decompressor is None:
+        decompressor = _local.decompressor = zstandard.ZstdDecompressor()
+    return decompressor
+
+
+def compress(rows: np.ndarray, itemsize: int) -> list[bytes]:
+    """Rows (uint8 [rows, row bytes], values of `itemsize` bytes) as one zstd frame per byte plane."""
+    values = rows.reshape(-1, itemsize)
+    compressor = _compressor()
+    return [compressor.compress(np.ascontiguousarray(values[:, p]).data) for p in range(itemsize)]
+
+
+def decompress(frames: list[np.ndarray], itemsize: int, nbytes: int) -> np.ndarray:
+    """The `nbytes` of values the frames (uint8 arrays) of one block hold, as uint8 [nbytes]; a frame that does not
+    hold its plane's nbytes / itemsize bytes is a ValueError."""
+    if len(frames) != itemsize or nbytes % itemsize:
+        raise ValueError(f"a block of {nbytes} bytes of {itemsize}-byte values has {len(frames)} planes")
+    out = np.empty((nbytes // itemsize, itemsize), dtype=np.uint8)
+    decompressor = _decompressor()
+    for p, frame in enumerate(frames):
+        try:
+            # the size the frame declares is checked before any memory is taken for it
+            data = frame.data
+            declared = zstandard.frame_content_size(data)
+            if declared != out.shape[0]:
+                raise ValueError(f"byte plane {p} declares {declared} bytes, expected {out.shape[0]}")
+            plane = decompressor.decompress(data)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"byte plane {p}: not a whole zstd frame ({exc})") from exc
+        if len(plane) != out.shape[0]:
+            raise ValueError(f"byte plane {p} holds {len(plane)} bytes, expected {out.shape[0]}")
+        out[:, p] = np.frombuffer(plane, dtype=np.uint8)
+    return out.reshape(-1)
