@@ -101,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the norm scales by weight + OFFSET (default: 1 when the manifest's model.model_type has a "
         "Gemma-style norm, else 0)",
     )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="a job stored in fp8: write its float8_e4m3fn codes and their scales (hidden_states_scales) as "
+        "speculators' own FP8 backend does, for its reader to multiply in (default: decoded, in the job's dtype)",
+    )
     p = sub.add_parser("modelopt", help="NVIDIA Model Optimizer offline EAGLE (OfflineSupervisedDataset)")
     _common(p)
 
@@ -114,6 +120,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             final_norm_weight=args.final_norm_weight,
             final_norm_key=args.final_norm_key,
             final_norm_offset=args.final_norm_offset,
+            fp8=args.fp8,
         )
     return options
 

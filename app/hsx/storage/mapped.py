@@ -86,6 +86,15 @@ class MappedShard:
             return Layout(span.dtype, span.shape)
         return Layout(encoded.dtype.code, (encoded.num_rows(key), encoded.hidden_size))
 
+    def fp8_rows(self, key: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """An fp8 layer's stored codes (uint8 [rows, hidden]) and scales (float32 [rows]), rows start..stop."""
+        encoded = self._decoded(key)
+        if encoded is None or encoded.encoding != "fp8":
+            raise ValueError(f"{self.path.name}: {key} is not stored in fp8")
+        if not 0 <= start <= stop <= encoded.num_rows(key):
+            raise ValueError(f"{self.path.name}: {key} has no rows {start}..{stop}")
+        return encoded.fp8_rows(key, start, stop)
+
     def rows(self, key: str, start: int, stop: int) -> np.ndarray:
         """Rows start..stop of `key` as uint8 [stop - start, bytes per row]: a view of the mapping, or
         for an encoded layer its rows decoded (ValueError where they cannot be)."""
