@@ -21,7 +21,6 @@ they stand for, whoever reads them (the Dataset, the exports, verify, the servic
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,9 +37,9 @@ from hsx.storage.floats import from_float32, to_float32
 # plane of 128 KiB and more compresses as well as one of several MiB.
 BLOCK_BYTES = 256 * 1024
 
-# The disk estimate's bytes per raw byte for lossless, a little above what hidden states of a tiny
-# random Llama and of a trained encoder came to (docs/performance.md, "Encodings"); fp8's is exact.
-LOSSLESS_ESTIMATE = {"bfloat16": 0.75, "float16": 0.9, "float32": 0.9}
+# The disk estimate's bytes per 100 raw bytes for lossless, a little above what hidden states of a
+# tiny random Llama and of a trained encoder came to (docs/performance.md, "Encodings"); fp8's is exact.
+LOSSLESS_ESTIMATE_PERCENT = {"bfloat16": 75, "float16": 90, "float32": 90}
 
 
 def block_rows(row_bytes: int) -> int:
@@ -54,7 +53,7 @@ def stored_row_bytes(encoding: str, dtype: DType, hidden_size: int) -> int:
     if encoding == "fp8":
         return hidden_size + 4
     if encoding == "lossless":
-        return math.ceil(raw * LOSSLESS_ESTIMATE.get(dtype.name, 1.0))
+        return -(-raw * LOSSLESS_ESTIMATE_PERCENT.get(dtype.name, 100) // 100)
     return raw
 
 
