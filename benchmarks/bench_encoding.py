@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trained", help="a trained model's checkpoint folder (transformers), measured too")
     parser.add_argument("--codec-tokens", type=int, default=12000, help="tokens per model in the codec part")
-    parser.add_argument("--samples", type=int, default=8, help="samples per job (default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=16, help="samples per job (default: %(default)s)")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--in-flight", type=int, default=8)
@@ -356,9 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefill-us-per-token",
         type=float,
-        default=200.0,
-        help="the simulated prefill of the second server (default: %(default)s, about four times what persisting "
-        "costs the bare loop in bench_throughput: the model the bottleneck)",
+        default=500.0,
+        help="the simulated prefill of the second server, per token of its longest prompt in a batch (default: "
+        "%(default)s: with 8 in flight, 16,000 tokens/s, 0.5 GB/s of hidden states, the model the bottleneck)",
     )
     parser.add_argument("--only", choices=["all", "codecs", "jobs"], default="all")
     parser.add_argument("--output-dir", default=".", help="a folder on the disk the jobs write to (default: here)")

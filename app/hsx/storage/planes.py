@@ -38,11 +38,20 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return decompressor
 
 
+def _unsigned(itemsize: int) -> np.dtype:
+    return np.dtype(f"<u{itemsize}")
+
+
 def compress(rows: np.ndarray, itemsize: int) -> list[bytes]:
     """Rows (uint8 [rows, row bytes], values of `itemsize` bytes) as one zstd frame per byte plane."""
-    values = rows.reshape(-1, itemsize)
+    # Planes cut by shifting whole values (about twice as fast as copying every itemsize-th byte).
+    values = np.ascontiguousarray(rows).reshape(-1).view(_unsigned(itemsize))
     compressor = _compressor()
-    return [compressor.compress(np.ascontiguousarray(values[:, p]).data) for p in range(itemsize)]
+    frames = []
+    for p in range(itemsize):
+        plane = (values >> values.dtype.type(8 * p)).astype(np.uint8) if p else values.astype(np.uint8)
+        frames.append(compressor.compress(plane.data))
+    return frames
 
 
 def decompress(frames: list[np.ndarray], itemsize: int, nbytes: int) -> np.ndarray:
@@ -50,19 +59,25 @@ def decompress(frames: list[np.ndarray], itemsize: int, nbytes: int) -> np.ndarr
     hold its plane's nbytes / itemsize bytes is a ValueError."""
     if len(frames) != itemsize or nbytes % itemsize:
         raise ValueError(f"a block of {nbytes} bytes of {itemsize}-byte values has {len(frames)} planes")
-    out = np.empty((nbytes // itemsize, itemsize), dtype=np.uint8)
+    count = nbytes // itemsize
+    planes = []
     decompressor = _decompressor()
     for p, frame in enumerate(frames):
         try:
             # the size the frame declares is checked before any memory is taken for it
             data = frame.data
             declared = zstandard.frame_content_size(data)
-            if declared != out.shape[0]:
-                raise ValueError(f"byte plane {p} declares {declared} bytes, expected {out.shape[0]}")
+            if declared != count:
+                raise ValueError(f"byte plane {p} declares {declared} bytes, expected {count}")
             plane = decompressor.decompress(data)
         except zstandard.ZstdError as exc:
             raise ValueError(f"byte plane {p}: not a whole zstd frame ({exc})") from exc
-        if len(plane) != out.shape[0]:
-            raise ValueError(f"byte plane {p} holds {len(plane)} bytes, expected {out.shape[0]}")
-        out[:, p] = np.frombuffer(plane, dtype=np.uint8)
-    return out.reshape(-1)
+        if len(plane) != count:
+            raise ValueError(f"byte plane {p} holds {len(plane)} bytes, expected {count}")
+        planes.append(np.frombuffer(plane, dtype=np.uint8))
+    # Values put together by shifts, the most significant plane first (faster than strided byte copies).
+    values = planes[-1].astype(_unsigned(itemsize))
+    for plane in reversed(planes[:-1]):
+        values <<= values.dtype.type(8)
+        values |= plane
+    return values.view(np.uint8)
