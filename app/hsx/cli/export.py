@@ -23,6 +23,8 @@ Write a finished job's hidden states as one file per sample in a training framew
 Layers follow hsx's numbering (0 = embeddings, k = decoder layer k, L = after the final norm), and
 L, the post-norm layers and the model type come from the manifest where it records them; the
 EAGLE-3 capture is [2, L//2, L-3, L]. A job whose layers do not fit the target is refused (exit 1).
+A job stored lossless or in fp8 is exported decoded (in the job's dtype); speculators --fp8 instead
+keeps an fp8 job's codes with their scales, as speculators' own FP8 backend writes and reads them.
 Rerunning into the same folder skips files already complete; every file is written atomically.
 --workers N processes write the files (the same files, byte for byte, whatever N). The files written
 so far are shown as progress. {PROGRESS_NOTE.replace("--json or ", "")}
@@ -30,7 +32,7 @@ so far are shown as progress. {PROGRESS_NOTE.replace("--json or ", "")}
 Disk: every target needs its own copy. No file of any target is a shard or a part of one (each puts
 the layers side by side token by token, in its own container), so nothing can be hard-linked or reflinked: an
 export takes about the bytes of the layers it reads (the whole job for a job of exactly those four
-layers), plus speculators' hsx_samples.jsonl (about 9 bytes a token). To train without a second
+layers, decoded), plus speculators' hsx_samples.jsonl (about 9 bytes a token). To train without a second
 copy, read the shards directly with hsx's Dataset (hsx.training.HiddenStateDataset).
 """
 

@@ -265,8 +265,8 @@ class SpeculatorsExporter(Exporter):
         if self.scale is None or key != layer_key(self.num_layers):
             return rows.fp8(key, start, stop)
         last = rows.as_tensor(key, rows.raw(key, start, stop))
-        values = self.unnormed_last(last, rows.entry.id, start).numpy()
-        return fp8.quantize(values)
+        quantized = fp8.quantize(self.unnormed_last(last, rows.entry.id, start).numpy())
+        return quantized.codes, quantized.scales
 
     def _encode_fp8(self, f: BinaryIO, rows: SampleRows, entry: ManifestSample) -> None:
         keys = [layer_key(i) for i in self.target_layer_ids]

@@ -12,10 +12,13 @@ where rounding is numpy's rint (half to even too).
 
 The error of a value is at most half a step of the e4m3fn grid where it lies: for the largest values of
 a row (256..448 x scale) that is 16 x scale, so every value's error is at most 1/28 of its row's
-largest magnitude, and less where values are smaller. `errors` measures it as rows are encoded.
+largest magnitude, and less where values are smaller. `quantize` measures it as it rounds, on the
+scaled values (where a row's largest magnitude is 448).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,25 +59,48 @@ def row_scales(values: np.ndarray) -> np.ndarray:
     return scales
 
 
-def quantize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [rows, n] as (uint8 codes [rows, n], float32 scales [rows])."""
+@dataclass(frozen=True)
+class Quantized:
+    """Rows as fp8: codes, scales, and how far the codes' values are from the rows' (each value's error
+    relative to its row's largest magnitude: the largest, and their sum over `values` values)."""
+
+    codes: np.ndarray  # uint8 [rows, n]
+    scales: np.ndarray  # float32 [rows]
+    max_error: float
+    error_sum: float
+    values: int
+
+
+def quantize(values: np.ndarray) -> Quantized:
+    """float32 [rows, n] as fp8 codes and scales, with the errors they make."""
     scales = row_scales(values)
     scaled = values / np.where(scales > 0, scales, np.float32(1))[:, None]
-    np.clip(scaled, -FP8_MAX, FP8_MAX, out=scaled)  # a tiny (subnormal) scale may push a value past 448
+    tiny = scales < np.finfo(np.float32).tiny  # a subnormal scale may push a value past 448
+    if tiny.any():
+        scaled[tiny] = np.clip(scaled[tiny], -FP8_MAX, FP8_MAX)
     bits = scaled.view(_U32)
     magnitude = bits & _U32(0x7FFFFFFF)
     rounded = magnitude >> _U32(20)
     rounded &= _U32(1)
     rounded += magnitude
     rounded += _U32(0x7FFFF)
+    rounded &= _U32(0xFFF00000)  # |value| rounded to 3 mantissa bits: float32 bits of an e4m3fn value
+    # Errors in the scaled values, where a row's largest magnitude is 448: relative to it, / 448.
+    error = magnitude.view(np.float32) - rounded.view(np.float32)
     rounded >>= _U32(20)
     rounded -= _EXPONENT_SHIFT  # wraps below 2**-6, where the codes are set again just after
-    codes = rounded.astype(np.uint8)
     small = magnitude < _SMALLEST_NORMAL
     if small.any():
-        codes[small] = np.rint(np.abs(scaled[small]) * np.float32(512)).astype(np.uint8)
-    codes |= np.signbit(scaled).view(np.uint8) << np.uint8(7)
-    return codes, scales
+        below = np.abs(scaled[small])
+        steps = np.rint(below * np.float32(512))
+        rounded[small] = steps.astype(_U32)
+        error[small] = below - steps / np.float32(512)
+    sign = bits >> _U32(24)
+    sign &= _U32(0x80)
+    rounded |= sign
+    np.abs(error, out=error)
+    worst = float(error.max()) / FP8_MAX if error.size else 0.0
+    return Quantized(rounded.astype(np.uint8), scales, worst, float(error.sum(dtype=np.float64)) / FP8_MAX, error.size)
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -82,16 +108,3 @@ def dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     values = np.take(CODE_VALUES, codes)  # twice as fast as indexing CODE_VALUES[codes]
     values *= scales[:, None]
     return values
-
-
-def errors(values: np.ndarray, decoded: np.ndarray, scales: np.ndarray) -> tuple[float, float, int]:
-    """How far `decoded` is from `values` (both float32 [rows, n], encoded with `scales`), each value's
-    error relative to the largest magnitude of its row (448 x its scale): (the largest, their sum, how
-    many values). A row of zeros has none."""
-    diff = decoded - values
-    np.abs(diff, out=diff)
-    largest = scales.astype(np.float64) * FP8_MAX
-    per_row = np.where(largest > 0, largest, 1.0)
-    worst = diff.max(axis=1) / per_row if diff.size else np.zeros(1)
-    total = diff.sum(axis=1, dtype=np.float64) / per_row
-    return float(worst.max()), float(total.sum()), int(diff.size)

@@ -3,8 +3,10 @@
 Plane p holds byte p (0: the least significant) of every value of the block, in order. The planes
 differ in how much they can be squeezed: a bfloat16's high byte (its sign and most of its exponent)
 takes about 2.7 bits a value in hidden states, its low byte (the last exponent bit and the mantissa)
-about 8; zstd (level 1: Huffman-coded literals with short matches) gets each plane close to what its
-byte distribution allows, and a plane given its own frame keeps its own code table, which one frame
+about 8. What zstd gains on such planes is its Huffman coding of literals; repeated strings are rare,
+so it runs its fast strategy with a tiny match table (PARAMETERS): as small as level 1's frames, or a
+little smaller, at two to three times its speed on the development VM, each plane about as small as
+its byte distribution allows. A plane given its own frame keeps its own code table, which one frame
 across planes would mix. Measured against zstd and zlib over the raw bytes, Blosc2's byte- and
 bit-shuffle filters in front of zstd and LZ4, and lzma over planes: docs/performance.md, "Encodings".
 
@@ -18,7 +20,10 @@ import threading
 import numpy as np
 import zstandard
 
-LEVEL = 1
+# strategy 1 (fast), one probe into a 64-entry table, matches of 7 bytes or more, a 128 KiB window
+PARAMETERS = zstandard.ZstdCompressionParameters(
+    window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0, strategy=1
+)
 
 _local = threading.local()
 
@@ -27,7 +32,7 @@ def _compressor() -> zstandard.ZstdCompressor:
     # One per thread: a (de)compressor holds its own working memory and is not to be shared.
     compressor: zstandard.ZstdCompressor | None = getattr(_local, "compressor", None)
     if compressor is None:
-        compressor = _local.compressor = zstandard.ZstdCompressor(level=LEVEL)
+        compressor = _local.compressor = zstandard.ZstdCompressor(compression_params=PARAMETERS)
     return compressor
 
 
@@ -55,8 +60,8 @@ def compress(rows: np.ndarray, itemsize: int) -> list[bytes]:
 
 
 def decompress(frames: list[np.ndarray], itemsize: int, nbytes: int) -> np.ndarray:
-    """The `nbytes` of values the frames (uint8 arrays) of one block hold, as uint8 [nbytes]; a frame that does not
-    hold its plane's nbytes / itemsize bytes is a ValueError."""
+    """The `nbytes` of values the frames (uint8 arrays) of one block hold, as uint8 [nbytes]; a frame
+    that does not hold its plane's nbytes / itemsize bytes is a ValueError."""
     if len(frames) != itemsize or nbytes % itemsize:
         raise ValueError(f"a block of {nbytes} bytes of {itemsize}-byte values has {len(frames)} planes")
     count = nbytes // itemsize
@@ -69,12 +74,12 @@ def decompress(frames: list[np.ndarray], itemsize: int, nbytes: int) -> np.ndarr
             declared = zstandard.frame_content_size(data)
             if declared != count:
                 raise ValueError(f"byte plane {p} declares {declared} bytes, expected {count}")
-            plane = decompressor.decompress(data)
+            decoded = decompressor.decompress(data)
         except zstandard.ZstdError as exc:
             raise ValueError(f"byte plane {p}: not a whole zstd frame ({exc})") from exc
-        if len(plane) != count:
-            raise ValueError(f"byte plane {p} holds {len(plane)} bytes, expected {count}")
-        planes.append(np.frombuffer(plane, dtype=np.uint8))
+        if len(decoded) != count:
+            raise ValueError(f"byte plane {p} holds {len(decoded)} bytes, expected {count}")
+        planes.append(np.frombuffer(decoded, dtype=np.uint8))
     # Values put together by shifts, the most significant plane first (faster than strided byte copies).
     values = planes[-1].astype(_unsigned(itemsize))
     for plane in reversed(planes[:-1]):
