@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -247,6 +248,28 @@ def test_an_encoded_shard_is_a_plain_safetensors_file(tmp_path, enc):
     assert names == {"input_ids", "loss_mask"} | {n for i in LAYERS for n in encoding.tensor_names(enc, f"layer_{i}")}
     assert metadata["encoding"] == enc and metadata["dtype"] == "bfloat16" and metadata["hidden_size"] == "8"
     assert json.loads(metadata["sample_ids"]) == ["s0", "s1"]
+
+
+@pytest.mark.parametrize("enc", ENCODED)
+def test_encoding_threads_write_the_same_shard_byte_for_byte(tmp_path, monkeypatch, enc):
+    """The flushers hand blocks to encoding threads (hsx.extraction.encoders): more blocks than may wait
+    at once, taken back in order, give the shard this thread alone gives; a refusal is found the same."""
+    monkeypatch.setattr(encoding, "BLOCK_BYTES", 256)
+    samples = shard_samples([40, 1, 90, 7], 16, "bfloat16")
+    write_shard_ = [
+        ShardSample(s.id, s.input_ids.numpy(), s.loss_mask.numpy(), {i: raw_bytes(s.layers[i]) for i in LAYERS})
+        for s in samples
+    ]
+    alone = write_shard(tmp_path / "alone", write_shard_, LAYERS, "bfloat16", 16, enc)
+    with ThreadPoolExecutor(3) as pool:
+        threads = write_shard(tmp_path / "threads", write_shard_, LAYERS, "bfloat16", 16, enc, encoders=pool)
+        assert (tmp_path / "alone").read_bytes() == (tmp_path / "threads").read_bytes()
+        assert alone.layer_stats == threads.layer_stats
+        samples[2].layers[4][50, 3] = float("nan")
+        write_shard_[2].layers[4] = raw_bytes(samples[2].layers[4])
+        with pytest.raises(NonFiniteSamples, match="s2: layer_4"):
+            write_shard(tmp_path / "refused", write_shard_, LAYERS, "bfloat16", 16, enc, encoders=pool)
+    assert not (tmp_path / "refused").exists()
 
 
 def plain_reader():

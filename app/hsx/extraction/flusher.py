@@ -54,6 +54,7 @@ from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow
 from hsx.extraction.database import Database
 from hsx.extraction.disk import DISK_RETRY_S, DiskPause, output_blocked
+from hsx.extraction.encoders import encoder_pool
 from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
@@ -327,6 +328,7 @@ class ShardFlusher:
         # Whatever a crash leaves under such a name is removed when the job finishes.
         unnumbered = folder / f".unnumbered-{secrets.token_hex(8)}.tmp-{os.getpid()}"
         started = time.monotonic()
+        encoding = (job.options or {}).get("encoding", "raw")
         try:
             shard = write_shard(
                 unnumbered,
@@ -334,9 +336,10 @@ class ShardFlusher:
                 info["layers"],
                 info["dtype"],
                 info["hidden_size"],
-                # the job's encoding (JobOptions.encoding) is done here, in the flusher's thread, off the
-                # request loop's path
-                encoding=(job.options or {}).get("encoding", "raw"),
+                # the job's encoding (JobOptions.encoding), off the request loops' path: this flusher reads
+                # and checks the blocks, the encoding threads encode them
+                encoding=encoding,
+                encoders=None if encoding == "raw" else encoder_pool(),
             )
         except NonFiniteSamples as exc:
             # Only those samples failed: their attempts say why, the others wait for the next shard.

@@ -17,10 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import deque
 from collections.abc import Callable, Generator
+from concurrent.futures import Executor
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -185,15 +188,68 @@ def _write_layers(
     return bad
 
 
+class _Inline:
+    """What `Executor.submit` gives, for work done at once in this thread."""
+
+    def __init__(self, fn: Callable[[np.ndarray], object], arg: np.ndarray):
+        self.value = fn(arg)
+
+    def result(self) -> object:
+        return self.value
+
+
+# Blocks handed to the encoding threads and not yet taken back: bounds the copies waiting (4 MiB).
+PENDING_BLOCKS = 16
+
+
+class _Encoding:
+    """Blocks on their way through a pool's threads (or encoded at once without one), each sample's
+    kept by its layer's encoder in the shard's order, once the whole sample passed its checks."""
+
+    def __init__(self, pool: Executor | None):
+        self.pool = pool
+        self.waiting: deque[tuple[LayerEncoder, list[Any]]] = deque()
+        self.pending = 0
+
+    def encode(self, enc: LayerEncoder, rows: np.ndarray) -> Any:
+        if self.pool is None:
+            return _Inline(enc.encode, rows)
+        self.pending += 1
+        return self.pool.submit(enc.encode, rows.copy())  # the rows' buffer is read into again
+
+    def keep(self, enc: LayerEncoder, blocks: list[Any]) -> None:
+        self.waiting.append((enc, blocks))
+        while self.waiting and (self.pool is None or self.pending > PENDING_BLOCKS):
+            self._take_oldest()
+
+    def finish(self) -> None:
+        while self.waiting:
+            self._take_oldest()
+
+    def _take_oldest(self) -> None:
+        enc, blocks = self.waiting.popleft()
+        enc.keep([b.result() for b in blocks])
+        self.pending -= len(blocks) if self.pool is not None else 0
+
+
 def _encode_layers(
-    samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int, encoding: str, files: dict[Path, int]
+    samples: list[ShardSample],
+    layers: list[int],
+    dtype: str,
+    hidden_size: int,
+    *,
+    encoding: str,
+    files: dict[Path, int],
+    pool: Executor | None,
 ) -> tuple[list[LayerEncoder], dict[str, str]]:
-    """Every layer of every sample encoded, block by block, each block checked for NaN and Inf first;
-    also why, per sample id, samples were refused (once one is, the others are only checked)."""
+    """Every layer of every sample encoded, block by block, each block checked for NaN and Inf first
+    (here, as it is read); also why, per sample id, samples were refused (once one is, the others are
+    only checked). With a `pool`, its threads encode while the next blocks are read and checked here."""
     row_bytes = hidden_size * DTYPES[dtype].itemsize
     scratch = memoryview(bytearray(block_rows(row_bytes) * row_bytes))
     finite = FiniteCheck(dtype)
     encoders = [encoder(encoding, f"layer_{i}", DTYPES[dtype], hidden_size) for i in layers]
+    work = _Encoding(pool)
     bad: dict[str, str] = {}
     for layer, enc in zip(layers, encoders):
         for s in samples:
@@ -206,17 +262,27 @@ def _encode_layers(
                         bad[s.sample_id] = f"layer_{layer} holds NaN or Inf"
                         break
                     if not bad:
-                        blocks.append(enc.encode(np.frombuffer(piece, dtype=np.uint8).reshape(-1, row_bytes)))
+                        blocks.append(work.encode(enc, np.frombuffer(piece, dtype=np.uint8).reshape(-1, row_bytes)))
             if not bad:
-                enc.keep(blocks)
+                work.keep(enc, blocks)
+    if not bad:
+        work.finish()
     return encoders, bad
 
 
 def write_shard(
-    path: Path, samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int, encoding: str = "raw"
+    path: Path,
+    samples: list[ShardSample],
+    layers: list[int],
+    dtype: str,
+    hidden_size: int,
+    encoding: str = "raw",
+    *,
+    encoders: Executor | None = None,
 ) -> ShardInfo:
     """Write `samples` as one shard at `path`, atomically, its layers stored in `encoding`
-    (hsx.storage.encoding); return what the manifest records.
+    (hsx.storage.encoding), encoded on the threads of `encoders` if given (else in this thread);
+    return what the manifest records.
 
     Every value is checked as it is copied: when any sample holds NaN or Inf, no shard is left
     and NonFiniteSamples names each such sample (the rest are only checked, not written, once
@@ -226,7 +292,7 @@ def write_shard(
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers {layers} name a layer twice: a shard holds one layer_<i> tensor per layer")
     if encoding != "raw":
-        return _write_encoded(path, samples, layers, dtype, hidden_size, encoding)
+        return _write_encoded(path, samples, layers, dtype, hidden_size, encoding=encoding, pool=encoders)
     code = DTYPES[dtype].code
     offsets, total = _offsets(samples, layers, hidden_size * DTYPES[dtype].itemsize)
     entries: list[tuple[str, str, tuple[int, ...]]] = [("input_ids", "I64", (total,)), ("loss_mask", "I64", (total,))]
@@ -255,12 +321,19 @@ def write_shard(
 
 
 def _write_encoded(
-    path: Path, samples: list[ShardSample], layers: list[int], dtype: str, hidden_size: int, encoding: str
+    path: Path,
+    samples: list[ShardSample],
+    layers: list[int],
+    dtype: str,
+    hidden_size: int,
+    *,
+    encoding: str,
+    pool: Executor | None,
 ) -> ShardInfo:
     offsets, total = _offsets(samples, layers, hidden_size * DTYPES[dtype].itemsize)
     files: dict[Path, int] = {}
     try:
-        encoders, bad = _encode_layers(samples, layers, dtype, hidden_size, encoding, files)
+        encoders, bad = _encode_layers(samples, layers, dtype, hidden_size, encoding=encoding, files=files, pool=pool)
     finally:
         for fd in files.values():
             os.close(fd)
