@@ -328,10 +328,11 @@ def jobs_report(args, work: Path, shm: Path) -> None:
         "| Dataset samples/s | tokens/s | MB/s per core |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for label, prefill in (
-        ("instant", 0.0),
-        (f"prefill {args.prefill_us_per_token:g} us/token", args.prefill_us_per_token),
-    ):
+    servers = {
+        "instant": ("instant", 0.0),
+        "prefill": (f"prefill {args.prefill_us_per_token:g} us/token", args.prefill_us_per_token),
+    }
+    for label, prefill in (servers[name] for name in args.servers.split(",")):
         jobs = Jobs(args, work, shm, prefill)
         try:
             jobs.run("raw")  # warm: a service's first job pays for what a process does once
@@ -376,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         "%(default)s: with 8 in flight, 16,000 tokens/s, 0.5 GB/s of hidden states, the model the bottleneck)",
     )
     parser.add_argument("--only", choices=["all", "codecs", "jobs"], default="all")
+    parser.add_argument(
+        "--servers", default="instant,prefill", help="the jobs' servers, of instant and prefill (default: %(default)s)"
+    )
     parser.add_argument("--output-dir", default=".", help="a folder on the disk the jobs write to (default: here)")
     args = parser.parse_args(argv)
     with (
