@@ -38,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,14 +108,36 @@ def decode_all(shard: MappedShard, layers: list[int], tokens: int) -> None:
         shard.rows(f"layer_{i}", 0, tokens)
 
 
-def timed_codec(encode: Callable[[bytes], bytes], decode: Callable[[bytes], bytes], pieces: list[bytes]):
-    """(compressed bytes, encode CPU seconds, decode CPU seconds) of every piece."""
+def timed_codec(encode: Callable[[bytes], Any], decode: Callable[[Any], object], pieces: list[bytes]):
+    """(compressed bytes, encode CPU seconds, decode CPU seconds) of every piece; an encoding may give
+    a list of frames."""
     start = time.thread_time()
     blobs = [encode(p) for p in pieces]
     encoded = time.thread_time()
     for b in blobs:
         decode(b)
-    return sum(map(len, blobs)), encoded - start, time.thread_time() - encoded
+    size = sum(sum(map(len, b)) if isinstance(b, list) else len(b) for b in blobs)
+    return size, encoded - start, time.thread_time() - encoded
+
+
+def by_planes(compress: Callable[[bytes], bytes], decompress: Callable[[bytes], bytes]):
+    """A codec applied to each byte plane of bfloat16 values apart (planes cut and joined as hsx does)."""
+
+    def encode(piece: bytes) -> list[bytes]:
+        values = np.frombuffer(piece, dtype="<u2")
+        return [
+            compress((values & 0xFF).astype(np.uint8).tobytes()),
+            compress((values >> 8).astype(np.uint8).tobytes()),
+        ]
+
+    def decode(frames: list[bytes]) -> np.ndarray:
+        low, high = (np.frombuffer(decompress(f), dtype=np.uint8) for f in frames)
+        values = high.astype("<u2")
+        values <<= 8
+        values |= low
+        return values
+
+    return encode, decode
 
 
 def codec_rows(name: str, layers: list[int], states, work: Path) -> list[dict]:
@@ -195,13 +218,17 @@ def alternatives(states, layers: list[int]) -> list[str]:
         [h.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().reshape(-1) for _, hs in states for h in hs]
     )
     lines = []
+    import lzma
     import zlib
 
     import zstandard
 
-    candidates: dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]] = {
+    zstd_decompress = zstandard.ZstdDecompressor().decompress
+    candidates: dict[str, tuple[Callable[[bytes], Any], Callable[[Any], object]]] = {
         "zlib 6, whole": (lambda b: zlib.compress(b, 6), zlib.decompress),
-        "zstd 3, whole": (zstandard.ZstdCompressor(level=3).compress, zstandard.ZstdDecompressor().decompress),
+        "zstd 3, whole": (zstandard.ZstdCompressor(level=3).compress, zstd_decompress),
+        "zstd 1, byte planes": by_planes(zstandard.ZstdCompressor(level=1).compress, zstd_decompress),
+        "lzma, byte planes": by_planes(lzma.compress, lzma.decompress),
     }
     if importlib.util.find_spec("blosc2"):
         import blosc2
@@ -221,9 +248,11 @@ def alternatives(states, layers: list[int]) -> list[str]:
         lines.append("  (blosc2 not installed: its filters skipped)")
     block = 256 * 1024
     pieces = [data[k : k + block].tobytes() for k in range(0, len(data), block)]
-    total = len(data)
     for label, (enc, dec) in candidates.items():
-        size, e, d = timed_codec(enc, dec, pieces)
+        # lzma encodes a few MB/s: the first 4 MiB are enough for its ratio and rates
+        some = pieces[:16] if label.startswith("lzma") else pieces
+        total = sum(map(len, some))
+        size, e, d = timed_codec(enc, dec, some)
         lines.append(
             f"  {label:28s} {size / total:.3f}x  encode {total / e / MB:7.0f} MB/s  decode {total / d / MB:7.0f} MB/s"
         )
@@ -246,7 +275,7 @@ def codec_report(args, work: Path) -> None:
             cells += [f"{r[k]:.0f}" if k in r else "-" for k in ("encode_mb_s", "decode_mb_s")]
             cells += [f"{r[k]:.4f}" if k in r else "-" for k in ("max_error", "mean_error")]
             print("| " + " | ".join(cells) + " |")
-        print("other codecs on the same bfloat16 layers (256 KiB blocks, one thread):")
+        print("other codecs on the same bfloat16 layers (256 KiB blocks, one thread; hsx's lossless above):")
         for line in alternatives(states, layers):
             print(line)
 
