@@ -10,7 +10,7 @@ is looked up only when asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -46,12 +46,21 @@ _ALL = (
     DType("int8", "I8", 1, "i1"),
     DType("uint8", "U8", 1, "u1"),
     DType("bool", "BOOL", 1, "?"),
+    # The codes of the fp8 encoding (hsx.storage.fp8), read as their bytes: a format shards store, never
+    # one hidden states arrive in, so it has no exponent width here and counts as no float format (its
+    # NaN test and its values are hsx.storage.fp8's, not hsx.storage.finite's).
+    DType("float8_e4m3fn", "F8_E4M3", 1, "u1"),
 )
 DTYPES: dict[str, DType] = {d.name: d for d in _ALL}
 DTYPES_BY_CODE: dict[str, DType] = {d.code: d for d in _ALL}
 
 # What model servers dump hidden states in, and so what a shard's layers hold.
 HIDDEN_STATE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+# How a job's shards store those values (hsx.storage.encoding): as they came, losslessly compressed
+# (bit for bit), or as float8_e4m3fn with a float32 scale per row.
+Encoding = Literal["raw", "lossless", "fp8"]
+ENCODINGS: tuple[str, ...] = get_args(Encoding)
 
 
 def sglang_auto_dtype(config: dict[str, Any]) -> str:

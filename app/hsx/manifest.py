@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import safe_open
 
-from hsx.dtypes import DTYPES, DType
+from hsx.dtypes import DTYPES, DType, Encoding
 from hsx.identity import Identity, weakest
 from hsx.states import JobState
 from hsx.storage.atomic import write_json_atomic
+from hsx.storage.encoding import LayerStats
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +37,27 @@ SHARD_LAYOUT = {
     "layer_<i>": "dtype [T, hidden_size]",
     "sample_rows": "offset .. offset + num_tokens",
 }
+# How each encoding stores layer_<i> (hsx.storage.encoding; docs/api.md, "Output format").
+ENCODED_LAYOUTS: dict[str, dict[str, str]] = {
+    "lossless": {
+        "layer_<i>.zstd": "uint8 [N]: zstd frames, one per byte plane (least significant first) of each block",
+        "layer_<i>.rows": "int64 [B + 1]: block k holds rows rows[k] .. rows[k + 1]",
+        "layer_<i>.frames": "int64 [B x bytes per value + 1]: where each frame begins in layer_<i>.zstd",
+    },
+    "fp8": {
+        "layer_<i>.fp8": "float8_e4m3fn [T, hidden_size]",
+        "layer_<i>.scale": "float32 [T]: a value is fp8 x scale, in dtype",
+    },
+}
+
+
+def shard_layout(encoding: str) -> dict[str, str]:
+    """The manifest's `shard_layout` for a job of this encoding."""
+    if encoding not in ENCODED_LAYOUTS:
+        return dict(SHARD_LAYOUT)
+    layout = {k: v for k, v in SHARD_LAYOUT.items() if k != "layer_<i>"}
+    return {**layout, **ENCODED_LAYOUTS[encoding]}
+
 
 # What `model` records, each null where unknown: the server's model_path and what its /get_model_info
 # or the checkpoint's config.json say (hsx.backends.capture.describe_model).
@@ -79,6 +101,20 @@ class ManifestSample(BaseModel):
     truncated_from: PositiveCount | None = None
 
 
+class EncodedLayer(BaseModel):
+    """What a job's encoding stored for one captured layer, its shards added up."""
+
+    model_config = ConfigDict(extra="allow")
+
+    layer: Count
+    raw_bytes: Count = Field(description="the bytes its rows take raw")
+    bytes: Count = Field(description="the bytes its tensors take in the shards")
+    max_error: float | None = Field(
+        None, description="fp8: the largest error of a value, relative to the largest magnitude of its row"
+    )
+    mean_error: float | None = Field(None, description="fp8: the mean of those errors")
+
+
 @dataclass(frozen=True)
 class HiddenStates:
     """What every shard of a job holds per token: a row of `hidden_size` values of `dtype` per layer."""
@@ -106,7 +142,13 @@ class ManifestHeader(BaseModel):
     # pre_norm (the residual stream before it: vLLM's extract_hidden_states). None: an older manifest.
     final_layer: Literal["pre_norm", "post_norm"] | None = None
     hidden_size: PositiveCount | None = None
+    # The dtype of the stored values (of what an encoded layer decodes to).
     dtype: str | None = None
+    # How the shards store each layer (hsx.storage.encoding): raw, lossless or fp8. A manifest written
+    # before encodings existed has none, and its shards are raw.
+    encoding: Encoding = "raw"
+    # Per captured layer, what the encoding stored (bytes; errors for fp8). None: a raw job.
+    encoded_layers: list[EncodedLayer] | None = None
     shard_layout: dict[str, Any] | None = Field(default_factory=lambda: dict(SHARD_LAYOUT))
     num_samples: Count
     num_stored: Count
@@ -183,7 +225,9 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
 
     info = job.model_info or {}
     samples = list(repo.iter_stored_samples(session, job.id))
+    shards = repo.job_shards(session, job.id)
     layers, num_layers = info.get("layers", job.layers), info.get("num_hidden_layers")
+    encoding = (job.options or {}).get("encoding", "raw")
     # One document validated at once: a model per sample built here would cost several times more.
     return Manifest.model_validate(
         {
@@ -196,6 +240,11 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
             "final_layer": info.get("final_layer") or "post_norm",
             "hidden_size": info.get("hidden_size"),
             "dtype": info.get("dtype"),
+            "encoding": encoding,
+            "encoded_layers": None
+            if encoding == "raw"
+            else encoded_layers(layers or [], [s.layer_stats for s in shards]),
+            "shard_layout": shard_layout(encoding),
             "num_samples": job.num_samples,
             "num_stored": job.n_succeeded,
             "num_truncated": job.n_truncated,
@@ -207,7 +256,7 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
                     "num_samples": s.num_samples,
                     "num_tokens": s.num_tokens,
                 }
-                for s in repo.job_shards(session, job.id)
+                for s in shards
             ],
             "identity": weakest(r.identity for r in samples),
             "samples": [
@@ -223,6 +272,25 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
             ],
         }
     )
+
+
+def encoded_layers(layers: list[int], per_shard: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Each layer's stats (hsx.storage.encoding.LayerStats, as shards record them) added up."""
+    totals = {layer: LayerStats() for layer in layers}
+    for stats in per_shard:
+        for key, doc in (stats or {}).items():
+            if int(key) in totals:
+                totals[int(key)].add(LayerStats.from_json(doc))
+    return [
+        {
+            "layer": layer,
+            "raw_bytes": t.raw_bytes,
+            "bytes": t.bytes,
+            "max_error": t.max_error,
+            "mean_error": t.mean_error,
+        }
+        for layer, t in totals.items()
+    ]
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:

@@ -13,6 +13,11 @@
   shard file a chunk at a time (never a shard whole): shapes, token ids in range, loss_mask 0/1, and
   every hidden-state value finite.
 
+A job stored lossless or in fp8 (the manifest's `encoding`, hsx.storage.encoding) has shards that say
+the same encoding, with each layer's tensors of the shapes it implies; the sha256 is of the stored
+bytes as for any shard, and each sample's layers are decoded (every zstd frame of its blocks, every
+code and scale) and their values checked as a raw sample's are.
+
 It needs no torch: rows are read as numpy arrays (bfloat16 as its bit patterns, tested for NaN and Inf
 by integer arithmetic), so the service and `hsx verify` run it on the base install.
 Faults are listed per shard and per sample (at most `max_faults`; `summary` counts them all).
@@ -39,7 +44,9 @@ from hsx.dtypes import DTYPES_BY_CODE
 from hsx.layers import layer_key
 from hsx.manifest import HiddenStates, ManifestHeader, ManifestSample, ManifestShard, locate, manifest_problems
 from hsx.storage.atomic import TEMP_NAME
+from hsx.storage.encoding import tensor_names
 from hsx.storage.finite import FloatBits
+from hsx.storage.mapped import Layout, MappedShard
 from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index, read_metadata
 
 HASH_CHUNK = 8 * 1024 * 1024
@@ -166,10 +173,12 @@ def _parse(model: type[_Entry], doc: dict[str, Any]) -> tuple[_Entry | None, lis
 
 
 class ShardRows:
-    """A shard's tensors read by row range straight from its file, where its header places them."""
+    """A shard's tensors read by row range straight from its file, where its header places them; an
+    encoded shard's layers decoded from a mapping of it (`decoded`)."""
 
-    def __init__(self, path: Path, spans: dict[str, TensorSpan]):
+    def __init__(self, path: Path, spans: dict[str, TensorSpan], decoded: MappedShard | None = None):
         self.spans = spans
+        self.decoded = decoded
         self._fd = os.open(path, os.O_RDONLY)
 
     def __enter__(self) -> ShardRows:
@@ -178,29 +187,62 @@ class ShardRows:
     def __exit__(self, *exc: object) -> None:
         os.close(self._fd)
 
+    def _layer(self, key: str) -> bool:
+        return self.decoded is not None and self.decoded.encoded is not None and self.decoded.encoded.holds(key)
+
     def dtype(self, key: str) -> str:
-        return DTYPES_BY_CODE[self.spans[key].dtype].name
+        code = (
+            self.decoded.layout(key).dtype if self.decoded is not None and self._layer(key) else self.spans[key].dtype
+        )
+        return DTYPES_BY_CODE[code].name
 
     def rows(self, key: str, start: int, stop: int) -> np.ndarray:
         """Rows start..stop of tensor `key` (fewer past its end); bfloat16 as uint16 bit patterns."""
+        if self.decoded is not None and self._layer(key):
+            layout = self.decoded.layout(key)
+            decoded = self.decoded.rows(key, min(start, layout.shape[0]), min(stop, layout.shape[0]))
+            return decoded.view(DTYPES_BY_CODE[layout.dtype].numpy).reshape(-1, *layout.shape[1:])
         span = self.spans[key]
         data = span.read_rows(self._fd, start, stop)
         return np.frombuffer(data, dtype=DTYPES_BY_CODE[span.dtype].numpy).reshape(-1, *span.shape[1:])
 
 
-def _shard_tensors(path: Path, entry: ManifestShard, hs: HiddenStates, faults: _Faults) -> dict[str, TensorSpan] | None:
-    """Check a shard's header against the manifest; its tensors, if their rows can be read."""
-    name = entry.name
+def _wanted(encoding: str, total: int, hs: HiddenStates) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """The tensors a shard of `total` rows holds in this encoding: dtype code and shape (None: one axis,
+    any length, which decoding checks)."""
+    want: dict[str, tuple[str, tuple[int, ...] | None]] = {
+        "input_ids": ("I64", (total,)),
+        "loss_mask": ("I64", (total,)),
+    }
+    for i in hs.layers:
+        names = tensor_names(encoding, layer_key(i))
+        if encoding == "fp8":
+            want[names[0]] = ("F8_E4M3", (total, hs.hidden_size))
+            want[names[1]] = ("F32", (total,))
+        elif encoding == "lossless":
+            want.update({names[0]: ("U8", None), names[1]: ("I64", None), names[2]: ("I64", None)})
+        else:
+            want[names[0]] = (hs.dtype.code, (total, hs.hidden_size))
+    return want
+
+
+def _shard_tensors(
+    path: Path, entry: ManifestShard, check: _Check
+) -> tuple[dict[str, TensorSpan], MappedShard | None] | None:
+    """Check a shard's header against the manifest; its tensors (and, encoded, its decoder), if their
+    rows can be read."""
+    name, faults, hs, encoding = entry.name, check.faults, check.hidden_states, check.manifest.encoding
     try:
         spans = read_index(path)
+        stored = read_metadata(path).get("encoding", "raw")
     except (SafetensorsFormatError, OSError) as exc:
         faults.shard(name, "header_invalid", str(exc))
         return None
-    total = entry.num_tokens
+    if stored != encoding:
+        faults.shard(name, "encoding_mismatch", f"the shard is {stored}, the manifest says {encoding}")
+        return None
     ok = True
-    want: dict[str, tuple[str, tuple[int, ...]]] = {"input_ids": ("I64", (total,)), "loss_mask": ("I64", (total,))}
-    want.update({layer_key(i): (hs.dtype.code, (total, hs.hidden_size)) for i in hs.layers})
-    for key, (dtype, shape) in want.items():
+    for key, (dtype, shape) in _wanted(encoding, entry.num_tokens, hs).items():
         span = spans.get(key)
         if span is None:
             faults.shard(name, "tensor_missing", f"no tensor {key}")
@@ -208,10 +250,31 @@ def _shard_tensors(path: Path, entry: ManifestShard, hs: HiddenStates, faults: _
         elif span.dtype != dtype:
             faults.shard(name, "tensor_dtype", f"{key} is {span.dtype}, the manifest says {dtype}")
             ok = False
-        elif span.shape != shape:
-            faults.shard(name, "tensor_shape", f"{key} has shape {list(span.shape)}, expected {list(shape)}")
+        elif span.shape != shape and (shape is not None or len(span.shape) != 1):
+            faults.shard(name, "tensor_shape", f"{key} has shape {list(span.shape)}, expected {list(shape or ['N'])}")
             ok = False
-    return spans if ok else None
+    if not ok:
+        return None
+    return (spans, None) if encoding == "raw" else _decoder(path, entry, hs, faults)
+
+
+def _decoder(
+    path: Path, entry: ManifestShard, hs: HiddenStates, faults: _Faults
+) -> tuple[dict[str, TensorSpan], MappedShard] | None:
+    """An encoded shard mapped for decoding, once its metadata and its layers' indexes hold together."""
+    try:
+        shard = MappedShard(path)
+        for i in hs.layers:
+            layout = shard.layout(layer_key(i))
+            if layout != Layout(hs.dtype.code, (entry.num_tokens, hs.hidden_size)):
+                raise ValueError(
+                    f"{layer_key(i)} decodes to {layout.dtype} {list(layout.shape)}, the manifest says "
+                    f"{hs.dtype.code} {[entry.num_tokens, hs.hidden_size]}"
+                )
+    except ValueError as exc:
+        faults.shard(entry.name, "encoding_invalid", str(exc))
+        return None
+    return shard.spans, shard
 
 
 def _shard_metadata(path: Path, name: str, placed: list[ManifestSample], faults: _Faults) -> None:
@@ -373,7 +436,8 @@ class _Check:
     chunk_rows: int
     work: _Work
     shards: dict[str, ManifestShard | None] = field(default_factory=dict)  # None: listed, but its entry is not valid
-    readable: dict[str, dict[str, TensorSpan]] = field(default_factory=dict)  # shards whose rows can be read
+    # shards whose rows can be read: their tensors, and an encoded one's decoder
+    readable: dict[str, tuple[dict[str, TensorSpan], MappedShard | None]] = field(default_factory=dict)
     by_shard: dict[str, list[ManifestSample]] = field(default_factory=dict)  # the samples placed in each shard
     placement: dict[str, str | None] = field(default_factory=dict)  # each sample id's shard, to count sound ones
     seen: set[str] = field(default_factory=set)  # sample ids met so far
@@ -436,9 +500,9 @@ def _check_shard_file(check: _Check, name: str, entry: ManifestShard) -> None:
         digest = _sha256(path, check.work)
         if digest != entry.sha256:
             faults.shard(name, "sha256_mismatch", f"sha256 {digest}, the manifest records {entry.sha256}")
-    spans = _shard_tensors(path, entry, check.hidden_states, faults)
-    if spans is not None:
-        check.readable[name] = spans
+    readable = _shard_tensors(path, entry, check)
+    if readable is not None:
+        check.readable[name] = readable
 
 
 def _place_sample(check: _Check, doc: dict[str, Any]) -> None:
@@ -535,7 +599,7 @@ def _check_values(check: _Check) -> None:
         placed = check.by_shard.get(name, [])
         _shard_metadata(path, name, placed, check.faults)
         base, tokens, read = check.work.done, max(1, sum(s.num_tokens for s in placed)), 0
-        with ShardRows(path, check.readable[name]) as rows:
+        with ShardRows(path, *check.readable[name]) as rows:
             for s in placed:
                 read += s.num_tokens
                 check.work.moveto(base + sizes[name] * read // tokens)

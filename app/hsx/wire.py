@@ -2,7 +2,7 @@
 
 The bottom floor shared by the routes (hsx.api), what they call (hsx.service) and the client (hsx.sdk), so
 that each of them reads one definition of every body and none imports another for it. It imports only
-hsx.states, hsx.names and hsx.layers."""
+hsx.states, hsx.names, hsx.layers and hsx.dtypes."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic.json_schema import JsonDict
 from pydantic_core import core_schema
 
+from hsx import dtypes
 from hsx.layers import MAX_LAYER_INDEX, MAX_LAYERS, check_layers
 from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
 from hsx.states import JobState, SampleState
@@ -44,6 +45,9 @@ MAX_INPUT_PATH = 4096
 InputPath = Annotated[PlainText, Field(max_length=MAX_INPUT_PATH, json_schema_extra={"pattern": PATTERN})]
 
 JobStateValue = Annotated[str, _one_of(JobState)]
+# How a job's shards store hidden states (hsx.dtypes), named here too: the API's query parameters and the
+# CLI's flags take the choices from the wire models.
+Encoding = dtypes.Encoding
 SampleStateValue = Annotated[str, _one_of(SampleState)]
 
 
@@ -180,8 +184,8 @@ class RegenerateOptions(BaseModel):
 
 
 class JobOptions(BaseModel):
-    """How a job's samples become what is extracted: its length and invalid-sample policies, and
-    how conversation samples are rendered (and regenerated)."""
+    """How a job's samples become what is extracted: its length and invalid-sample policies, how
+    conversation samples are rendered (and regenerated), and how its hidden states are stored."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -214,6 +218,13 @@ class JobOptions(BaseModel):
     )
     regenerate: RegenerateOptions | None = Field(
         default=None, description="replace every assistant turn with the model's own answer before extraction"
+    )
+    encoding: Encoding = Field(
+        default="raw",
+        description="how the shards store hidden states: raw (as the model server gave them), lossless (zstd over "
+        "byte planes, bit for bit; about 0.7x the bytes of bfloat16) or fp8 (float8_e4m3fn with a float32 scale "
+        "per row of each layer, about 0.5x; each value within 1/28 of its row's largest magnitude). Readers "
+        "decode; input_ids and loss_mask stay exact",
     )
 
     def is_default(self) -> bool:
@@ -324,7 +335,8 @@ class JobOut(BaseModel):
     layers: list[int] | None
     model: dict[str, Any] | None
     options: JobOptions = Field(
-        default_factory=lambda: JobOptions.model_validate({}), description="its length, invalid and rendering policies"
+        default_factory=lambda: JobOptions.model_validate({}),
+        description="its length, invalid and rendering policies, and its encoding",
     )
     manifest_url: str
 

@@ -255,6 +255,21 @@ def test_submit_status_jobs_samples_manifest(run, finished, tmp_path):
     assert json.loads((tmp_path / "m" / "manifest.json").read_text()) == manifest
 
 
+def test_submit_with_an_encoding_status_and_manifest_say_it(run, tmp_path):
+    path = jsonl(tmp_path / "e.jsonl", make_samples(3, seed=61))
+    code, out, _ = run("submit", path, "--encoding", "lossless", "--json")
+    job = json.loads(out)
+    assert code == 0 and job["options"]["encoding"] == "lossless"
+    code, out, _ = run("status", job["id"], "--watch", "--interval", "0.2")
+    assert code == 0 and "encoding lossless" in out.splitlines()[0]
+    code, out, _ = run("manifest", job["id"])
+    manifest = json.loads(out)
+    assert manifest["encoding"] == "lossless" and len(manifest["encoded_layers"]) == len(manifest["layers"])
+    with pytest.raises(SystemExit) as refused:
+        run("submit", path, "--encoding", "zstd")
+    assert refused.value.code == 2
+
+
 def test_download_resumes_and_verifies(run, finished, tmp_path):
     job, _ = finished
     out_dir = tmp_path / "out"

@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from hsx.db.models import JobRow
 from hsx.service.errors import InsufficientStorage
 from hsx.service.intake import DiskCheck, Ingest, Limits, store
-from hsx.wire import SampleIn
+from hsx.wire import JobOptions, SampleIn
 
 TOKENS = 10
 PER_TOKEN_EXTRA = 16  # int64 input_ids and loss_mask
@@ -27,13 +27,24 @@ def limits_needing(nbytes: int) -> Limits:
     return Limits(layers=[2], hidden_size=hidden, dtype="float32")
 
 
-def create(sessions, limits: Limits, disk: DiskCheck) -> JobRow:
-    ingest = Ingest(limits)
+def create(sessions, limits: Limits, disk: DiskCheck, encoding: str = "raw") -> JobRow:
+    options = JobOptions(encoding=encoding)
+    ingest = Ingest(limits, options)
     try:
         ingest.feed(0, SampleIn(input_ids=list(range(1, TOKENS + 1))), {})
         spool = ingest.finish()
         with sessions.begin() as s:
-            return store(s, spool, limits, name=None, layers=None, idempotency_key=None, request_sha256="-", disk=disk)
+            return store(
+                s,
+                spool,
+                limits,
+                name=None,
+                layers=None,
+                idempotency_key=None,
+                request_sha256="-",
+                disk=disk,
+                options=options,
+            )
     finally:
         ingest.close()
 
@@ -69,4 +80,19 @@ def test_the_other_active_jobs_still_count(sessions, tmp_path):
     with pytest.raises(InsufficientStorage) as refused:
         create(sessions, limits_needing(free * 6 // 10), DiskCheck(tmp_path, "refuse"))
     assert refused.value.extra["pending_bytes"] == first.estimated_bytes + warned.estimated_bytes
+    assert job_count(sessions) == 2
+
+
+def test_the_estimate_and_the_check_take_the_encodings_ratio(sessions, tmp_path):
+    """A job too large for the volume raw fits in fp8 (one byte a value and a float32 scale a row) and
+    lossless (at most 0.9x a float32's bytes); the estimates say what each stores."""
+    free = shutil.disk_usage(tmp_path).free
+    limits = limits_needing(free * 11 // 10)
+    hidden = limits.hidden_size
+    with pytest.raises(InsufficientStorage):
+        create(sessions, limits, DiskCheck(tmp_path, "refuse"))
+    fp8 = create(sessions, limits, DiskCheck(tmp_path, "refuse"), "fp8")
+    assert fp8.estimated_bytes == TOKENS * (hidden + 4 + PER_TOKEN_EXTRA)
+    lossless = create(sessions, limits, DiskCheck(tmp_path, "warn"), "lossless")
+    assert lossless.estimated_bytes == TOKENS * (-(-hidden * 4 * 9 // 10) + PER_TOKEN_EXTRA)
     assert job_count(sessions) == 2

@@ -1,7 +1,8 @@
 """The writer's shard flushers against a real database and real staged dumps: several flushers write
 each sample once in gap-free numbered shards, a job ends with one small shard (its last samples wait
 for the request still running), the time bound writes a smaller shard while samples are still queued,
-and a shard that could not be written takes no number.
+a shard that could not be written takes no number, and a job's encoding is what its shards store and
+its manifest records, layer by layer, from the database.
 
 The test plays the request loop's part (claim, stage a dump, tell the flusher); the writer's own
 request loops find no model server and claim nothing."""
@@ -25,7 +26,9 @@ from hsx.manifest import load_manifest, read_sample
 from hsx.matching import Serves
 from hsx.reference.dumper import Dumper
 from hsx.states import TERMINAL_JOB_STATES
+from hsx.storage.encoding import tensor_names
 from hsx.storage.shards import shard_name
+from hsx.training import HiddenStateDataset
 
 HIDDEN, LAYERS, TOKENS = 64, [1, 2], 8
 SAMPLE_BYTES = TOKENS * HIDDEN * 2 * len(LAYERS)  # bfloat16
@@ -73,11 +76,13 @@ class Stack:
             self.writer.root.release()
         self.engine.dispose()
 
-    def job(self, n: int) -> str:
+    def job(self, n: int, options: dict | None = None) -> str:
         ids = np.arange(1, TOKENS + 1, dtype="<i4").tobytes()
         samples = [repo.NewSample(f"s{i:03d}", ids, None, TOKENS) for i in range(n)]
         with self.sessions.begin() as s:
-            return repo.create_job(s, name=None, layers=LAYERS, samples=samples).id
+            job = repo.create_job(s, name=None, layers=LAYERS, samples=samples)
+            job.options = options
+            return job.id
 
     def claim(self) -> repo.Claimed:
         with self.sessions.begin() as s:
@@ -220,3 +225,39 @@ def test_a_shard_that_could_not_be_written_takes_no_number(stacks):
     # Numbered as they are recorded: the last shard may be on disk before the full one written beside it.
     assert sorted(n for _, n in stack.shards(job_id)) == [1, PER_SHARD]
     assert_stored_once(stack, job_id, PER_SHARD + 1)
+
+
+@pytest.mark.parametrize("encoding", ["lossless", "fp8"])
+def test_a_jobs_encoding_is_what_its_shards_store_and_its_manifest_records(stacks, encoding):
+    stack = stacks(flushers=2, shard_max_wait_s=600)
+    stack.start()
+    job_id = stack.job(PER_SHARD + 2, {"encoding": encoding})
+    stack.stage(stack.claim(), nan=True)  # refused while its shard is encoded: that attempt fails
+    stack.extract(PER_SHARD + 1)
+    stack.wait(lambda: stack.state(job_id).n_queued == 1)
+    stack.extract(1)  # the refused sample again
+    assert stack.finished(job_id).state == "succeeded"
+    folder = stack.settings.output_root / job_id
+    manifest = load_manifest(folder)
+    assert manifest.encoding == encoding
+    assert [s.id for s in manifest.samples] == [f"s{i:03d}" for i in range(PER_SHARD + 2)]
+    for shard in manifest.shards:
+        with open(folder / shard.name, "rb") as f:
+            header = f.read(8 + int.from_bytes(f.read(8), "little"))
+        assert all(name.encode() in header for i in LAYERS for name in tensor_names(encoding, f"layer_{i}"))
+    # per layer, added up over the shards the database recorded
+    assert [e.layer for e in manifest.encoded_layers] == LAYERS
+    for e in manifest.encoded_layers:
+        assert e.raw_bytes == (PER_SHARD + 2) * TOKENS * HIDDEN * 2
+        assert 0 < e.bytes < e.raw_bytes
+        assert (e.max_error is None) if encoding == "lossless" else (0 < e.mean_error < e.max_error <= 1 / 28 + 2**-7)
+    ds = HiddenStateDataset(folder, aux_layers=[LAYERS[0]], last_layer=LAYERS[1])
+    for k, item in enumerate(ds):
+        truth = hidden_states(k)
+        for layer, got in ((LAYERS[0], item["aux_hidden_state"]), (LAYERS[1], item["hidden_state"])):
+            assert got.dtype == torch.bfloat16
+            if encoding == "lossless":
+                assert torch.equal(got, truth[layer])
+            else:
+                largest = truth[layer].float().abs().amax(dim=1, keepdim=True)
+                assert float(((got.float() - truth[layer].float()).abs() / largest).max()) <= 1 / 28 + 2**-7

@@ -16,7 +16,15 @@ import numpy as np
 import torch
 
 from hsx.dtypes import DTYPES
-from hsx.manifest import MANIFEST_NAME, Manifest, ManifestSample, ManifestShard, write_manifest
+from hsx.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestSample,
+    ManifestShard,
+    encoded_layers,
+    shard_layout,
+    write_manifest,
+)
 from hsx.states import JobState
 from hsx.storage.safetensors_raw import read_index
 from hsx.storage.shards import ShardSample, shard_name, write_shard
@@ -111,15 +119,17 @@ def make_job(
     ids: list[str] | None = None,
     model: dict | None = None,
     post_norm_layers: list[int] | None = None,
+    encoding: str = "raw",
 ) -> JobFixture:
     """`model` adds to (or replaces) the manifest's model fields; without it and `post_norm_layers`
-    the manifest says what older hsx versions wrote."""
+    the manifest says what older hsx versions wrote. `encoding`: how the shards store the layers, and
+    the manifest records it (with each layer's stats added up, as the service's manifest has them)."""
     layers = list(layers)
     job_dir = Path(root) / job_id
     job_dir.mkdir(parents=True, exist_ok=True)
     if samples is None:
         samples = random_samples(num_samples, layers, hidden, dtype, seed=seed, lengths=lengths, vocab=vocab, ids=ids)
-    shards, entries = [], []
+    shards, entries, stats = [], [], []
     for number, start in enumerate(range(0, len(samples), samples_per_shard)):
         group = samples[start : start + samples_per_shard]
         info = write_shard(
@@ -136,7 +146,9 @@ def make_job(
             layers,
             dtype,
             hidden,
+            encoding,
         )
+        stats.append(None if info.layer_stats is None else {str(i): v.to_json() for i, v in info.layer_stats.items()})
         shards.append(
             ManifestShard(
                 name=info.name,
@@ -159,6 +171,9 @@ def make_job(
         post_norm_layers=post_norm_layers,
         hidden_size=hidden,
         dtype=dtype,
+        encoding=encoding,
+        encoded_layers=None if encoding == "raw" else encoded_layers(layers, stats),
+        shard_layout=shard_layout(encoding),
         num_samples=len(samples),
         num_stored=len(samples),
         shards=shards,

@@ -275,7 +275,8 @@ def list_samples(
         **_problems(404, 409, 410),
         200: {
             "content": {"application/octet-stream": {}},
-            "description": "safetensors: input_ids, loss_mask, layer_<i>",
+            "description": "safetensors: input_ids, loss_mask, layer_<i> [T, hidden] in the job's dtype, whatever "
+            "its encoding (a lossless or fp8 job's layers are decoded)",
         },
     },
     response_class=Response,

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from hsx.names import MAX_LENGTH, PATTERN, PlainText
 from hsx.service.errors import InvalidInput
-from hsx.wire import MAX_NEW_TOKENS, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
+from hsx.wire import MAX_NEW_TOKENS, Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
 
 
 def _in_path(description: str) -> Any:
@@ -62,6 +62,7 @@ def ndjson_options(
     regenerate_top_p: Annotated[float, Query(gt=0, le=1)] = 1.0,
     regenerate_seed: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
     regenerate_concurrency: Annotated[int, Query(ge=1, le=256)] = 8,
+    encoding: Annotated[Encoding, Query(description="how the shards store hidden states (see JobCreate)")] = "raw",
 ) -> JobOptions:
     """An NDJSON body's job options, from the query string: the fields of JobCreate (NDJSON bodies only;
     `regenerate` flattened as regenerate_<field>)."""
@@ -81,6 +82,7 @@ def ndjson_options(
         "loss": loss,
         "tokenizer": tokenizer,
         "regenerate": regenerate,
+        "encoding": encoding,
     }
     try:
         return JobOptions.model_validate(fields)

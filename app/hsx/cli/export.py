@@ -23,6 +23,8 @@ Write a finished job's hidden states as one file per sample in a training framew
 Layers follow hsx's numbering (0 = embeddings, k = decoder layer k, L = after the final norm), and
 L, the post-norm layers and the model type come from the manifest where it records them; the
 EAGLE-3 capture is [2, L//2, L-3, L]. A job whose layers do not fit the target is refused (exit 1).
+A job stored lossless or in fp8 is exported decoded (in the job's dtype); speculators --fp8 instead
+keeps an fp8 job's codes with their scales, as speculators' own FP8 backend writes and reads them.
 Rerunning into the same folder skips files already complete; every file is written atomically.
 --workers N processes write the files (the same files, byte for byte, whatever N). The files written
 so far are shown as progress. {PROGRESS_NOTE.replace("--json or ", "")}
@@ -30,7 +32,7 @@ so far are shown as progress. {PROGRESS_NOTE.replace("--json or ", "")}
 Disk: every target needs its own copy. No file of any target is a shard or a part of one (each puts
 the layers side by side token by token, in its own container), so nothing can be hard-linked or reflinked: an
 export takes about the bytes of the layers it reads (the whole job for a job of exactly those four
-layers), plus speculators' hsx_samples.jsonl (about 9 bytes a token). To train without a second
+layers, decoded), plus speculators' hsx_samples.jsonl (about 9 bytes a token). To train without a second
 copy, read the shards directly with hsx's Dataset (hsx.training.HiddenStateDataset).
 """
 
@@ -101,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the norm scales by weight + OFFSET (default: 1 when the manifest's model.model_type has a "
         "Gemma-style norm, else 0)",
     )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="a job stored in fp8: write its float8_e4m3fn codes and their scales (hidden_states_scales) as "
+        "speculators' own FP8 backend does, for its reader to multiply in (default: decoded, in the job's dtype)",
+    )
     p = sub.add_parser("modelopt", help="NVIDIA Model Optimizer offline EAGLE (OfflineSupervisedDataset)")
     _common(p)
 
@@ -114,6 +122,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             final_norm_weight=args.final_norm_weight,
             final_norm_key=args.final_norm_key,
             final_norm_offset=args.final_norm_offset,
+            fp8=args.fp8,
         )
     return options
 

@@ -650,6 +650,13 @@ function retries(j) {
   );
 }
 
+// How a job's shards store its hidden states (JobOptions.encoding), as the page says it.
+const ENCODINGS = {
+  raw: "raw (as the model server gave them)",
+  lossless: "lossless (zstd, bit for bit)",
+  fp8: "fp8 (e4m3, a scale per row)",
+};
+
 function stats(j) {
   const item = (term, value) => h("div", {}, h("dt", {}, term), h("dd", {}, value));
   return h(
@@ -665,6 +672,7 @@ function stats(j) {
     item("Shards written", fmt.count(j.shards_written)),
     item("Estimated size", fmt.bytes(j.estimated_bytes)),
     item("Layers", j.layers ? j.layers.join(", ") : "the server's"),
+    item("Encoding", ENCODINGS[j.options?.encoding ?? "raw"] ?? j.options.encoding),
     j.model?.model_path && item("Model", h("span", { class: "mono" }, j.model.model_path)),
   );
 }

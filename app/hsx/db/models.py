@@ -176,6 +176,9 @@ class ShardRow(Base):
     num_samples: Mapped[int] = mapped_column(Integer)
     num_tokens: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # Per captured layer ("<i>": hsx.storage.encoding.LayerStats), what the job's encoding stored: raw
+    # and stored bytes, and for fp8 the errors; the manifest adds them up. NULL: a raw shard.
+    layer_stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
     __table_args__ = (UniqueConstraint("job_id", "name", name="uq_shards_job_name"),)
 

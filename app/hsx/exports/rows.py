@@ -1,7 +1,8 @@
 """One sample's rows for an export's file, as tensors over the mapped shard: copied only where needed.
 
 `tensor(key)` is a tensor over the shard's own bytes whose storage is exactly the sample's rows, so
-`torch.save` writes just those rows, straight from the page cache. `side_by_side(keys)` is the one
+`torch.save` writes just those rows, straight from the page cache (an encoded layer's rows are decoded
+into memory of their own first: hsx.storage.mapped). `side_by_side(keys)` is the one
 copy an export cannot avoid: layers concatenated along the hidden axis (what `torch.cat(dim=-1)`
 gives), written by numpy in this thread rather than by torch's thread pool, whose idle threads spin
 for CPU time on a busy machine.
@@ -37,12 +38,17 @@ class SampleRows:
         stop = self.num_tokens if stop is None else stop
         return self.shard.rows(key, self.start + start, self.start + stop)
 
+    def fp8(self, key: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """An fp8 layer's codes (uint8 [rows, hidden]) and scales (float32 [rows]) of the sample's rows
+        start..stop, as the shard stores them."""
+        return self.shard.fp8_rows(key, self.start + start, self.start + stop)
+
     def dtype(self, key: str) -> torch.dtype:
-        return DTYPES_BY_CODE[self.shard.span(key).dtype].torch
+        return DTYPES_BY_CODE[self.shard.layout(key).dtype].torch
 
     def as_tensor(self, key: str, raw: np.ndarray) -> torch.Tensor:
         """`raw` (rows of `key`) as a tensor of the key's dtype and shape, sharing its bytes."""
-        shape = self.shard.span(key).shape[1:]
+        shape = self.shard.layout(key).shape[1:]
         return torch.from_numpy(raw).view(self.dtype(key)).reshape(raw.shape[0], *shape)
 
     def tensor(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:

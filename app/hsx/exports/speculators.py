@@ -21,6 +21,14 @@ the Gemma-style norms that scale by 1 + weight, known from the manifest's `model
 Every row is checked to have RMS 1 after the division (what an RMS-normed row divided by its scale
 must have), so a wrong weight or norm convention is refused rather than exported. A manifest whose
 `post_norm_layers` leave L out holds it before the norm already: it is stored as it is.
+
+A job stored in fp8 (hsx.storage.encoding) is exported decoded, in the job's dtype, unless `fp8` is
+asked for: then the files carry the stored codes as speculators' own FP8 backend (hs_connectors'
+FP8HiddenStatesConnector) writes them, `hidden_states` float8_e4m3fn [T, n_layers, H] with
+`hidden_states_scales` float32, which its reader (FP8Transfer) multiplies in on load. speculators' writer
+keeps one scale per token, [T, 1, 1]; these files keep hsx's one per token and layer, [T, n_layers, 1],
+which the same multiplication broadcasts, so no layer is quantized twice, except a last layer whose
+norm's scale is divided out: that one is quantized anew (a scale per row) from its decoded values.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from hsx.exports.base import Exporter, ExportRefused, PlannedFile, require_layer
 from hsx.exports.rows import SampleRows, fill_side_by_side
 from hsx.layers import eagle3_aux_layers, layer_key
 from hsx.manifest import ManifestSample
+from hsx.storage import fp8
 from hsx.storage.atomic import atomic_file
 from hsx.storage.safetensors_raw import encode_header
 from hsx.training.reader import ShardReader, StoredJob
@@ -109,8 +118,15 @@ class SpeculatorsExporter(Exporter):
         final_norm_weight: str | Path | None = None,
         final_norm_key: str | None = None,
         final_norm_offset: float | None = None,
+        fp8: bool = False,
     ):
         super().__init__(job)
+        if fp8 and job.manifest.encoding != "fp8":
+            raise ExportRefused(
+                f"fp8 carries the codes an fp8 job stored; this job's encoding is {job.manifest.encoding}: "
+                "export it without --fp8"
+            )
+        self.fp8 = fp8
         self.num_layers = require_num_layers(job, num_layers)
         self.aux_layers = list(aux_layers) if aux_layers is not None else eagle3_aux_layers(self.num_layers)
         aux = self.aux_layers
@@ -161,7 +177,12 @@ class SpeculatorsExporter(Exporter):
         if self.scale is not None:
             scale_sha256 = hashlib.sha256(self.scale.numpy().tobytes()).hexdigest()
             final_norm = {"scale_sha256": scale_sha256, "offset": self.final_norm_offset}
-        return {"target_layer_ids": self.target_layer_ids, "final_norm": final_norm}
+        # fp8 only where asked for: a rerun of an earlier export finds the settings it recorded
+        return {
+            "target_layer_ids": self.target_layer_ids,
+            "final_norm": final_norm,
+            **({"fp8": True} if self.fp8 else {}),
+        }
 
     def notes(self) -> list[str]:
         last = (
@@ -172,6 +193,14 @@ class SpeculatorsExporter(Exporter):
         return [
             f"hidden_states[:, k] = hsx layers {self.target_layer_ids} (launch_vllm --target-layer-ids "
             f"{' '.join(map(str, self.aux_layers))}); the last one is layer {self.num_layers} {last}",
+            *(
+                [
+                    "hidden_states float8_e4m3fn with hidden_states_scales [T, n_layers, 1]: read them with "
+                    "speculators' FP8 backend (hs_connectors' FP8Transfer), which multiplies the scales in"
+                ]
+                if self.fp8
+                else []
+            ),
             f"{SAMPLES_NAME}: one row per hs_<index> with input_ids, loss_mask and seq_len; build the "
             "training dataset from it: datasets.Dataset.from_json(...).select_columns(['input_ids', "
             "'loss_mask', 'seq_len']).with_format('torch').save_to_disk(DATA), then train with --data-path DATA "
@@ -203,14 +232,18 @@ class SpeculatorsExporter(Exporter):
             self.unnormed_last(rows[layer_key(self.num_layers)], entry.id)
 
     def encode(self, f: BinaryIO, rows: SampleRows, entry: ManifestSample, planned: PlannedFile) -> None:
-        """The file safetensors.torch.save would write for {hidden_states, token_ids}, byte for byte,
-        written a block of rows at a time: hidden_states is the layers side by side, row by row."""
+        """The file safetensors.torch.save would write for {hidden_states, token_ids} (with fp8, and
+        hidden_states_scales), byte for byte, written a block of rows at a time: hidden_states is the
+        layers side by side, row by row."""
+        if self.fp8:
+            self._encode_fp8(f, rows, entry)
+            return
         keys = [layer_key(i) for i in self.target_layer_ids]
-        span = rows.shard.span(keys[0])
-        t, n, width = rows.num_tokens, len(keys), span.row_bytes
+        layout = rows.shard.layout(keys[0])
+        t, n, width = rows.num_tokens, len(keys), layout.row_bytes
         token_ids = rows.tensor("input_ids", torch.int64)
         # safetensors' own order: the 8-byte ids, then the states
-        shapes = [("token_ids", "I64", (t,)), ("hidden_states", span.dtype, (t, n, *span.shape[1:]))]
+        shapes = [("token_ids", "I64", (t,)), ("hidden_states", layout.dtype, (t, n, *layout.shape[1:]))]
         f.write(encode_header(shapes, None))
         f.write(token_ids.numpy().data.cast("B"))
         step = max(1, BLOCK_BYTES // (n * width))
@@ -224,6 +257,44 @@ class SpeculatorsExporter(Exporter):
                 last = rows.as_tensor(keys[-1], rows.raw(keys[-1], start, stop))
                 states = torch.from_numpy(out).view(last.dtype).view(stop - start, n, -1)
                 states[:, -1].copy_(self.unnormed_last(last, entry.id, start))
+            f.write(out.reshape(-1).data)
+
+    def _fp8_rows(self, rows: SampleRows, key: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """A layer's codes and scales of the sample's rows start..stop: as stored, or for a last layer
+        whose norm's scale is divided out, its decoded rows divided and quantized anew."""
+        if self.scale is None or key != layer_key(self.num_layers):
+            return rows.fp8(key, start, stop)
+        last = rows.as_tensor(key, rows.raw(key, start, stop))
+        quantized = fp8.quantize(self.unnormed_last(last, rows.entry.id, start).numpy())
+        return quantized.codes, quantized.scales
+
+    def _encode_fp8(self, f: BinaryIO, rows: SampleRows, entry: ManifestSample) -> None:
+        keys = [layer_key(i) for i in self.target_layer_ids]
+        t, n, hidden = rows.num_tokens, len(keys), self.job.hidden_size
+        # safetensors' own order: by dtype, widest first (the 8-byte ids, the scales, the codes)
+        f.write(
+            encode_header(
+                [
+                    ("token_ids", "I64", (t,)),
+                    ("hidden_states_scales", "F32", (t, n, 1)),
+                    ("hidden_states", "F8_E4M3", (t, n, hidden)),
+                ],
+                None,
+            )
+        )
+        f.write(rows.tensor("input_ids", torch.int64).numpy().data.cast("B"))
+        step = max(1, BLOCK_BYTES // (n * hidden))
+        scales = np.empty((t, n), dtype="<f4")
+        for start in range(0, t, step):
+            stop = min(start + step, t)
+            for j, key in enumerate(keys):
+                scales[start:stop, j] = self._fp8_rows(rows, key, start, stop)[1]
+        f.write(scales.reshape(-1).data.cast("B"))
+        block = np.empty((min(step, t), n * hidden), dtype=np.uint8)
+        for start in range(0, t, step):
+            stop = min(start + step, t)
+            out = block[: stop - start]
+            fill_side_by_side(out, [self._fp8_rows(rows, key, start, stop)[0] for key in keys])
             f.write(out.reshape(-1).data)
 
     def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:

@@ -54,6 +54,7 @@ from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow
 from hsx.extraction.database import Database
 from hsx.extraction.disk import DISK_RETRY_S, DiskPause, output_blocked
+from hsx.extraction.encoders import encoder_pool
 from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
@@ -327,8 +328,19 @@ class ShardFlusher:
         # Whatever a crash leaves under such a name is removed when the job finishes.
         unnumbered = folder / f".unnumbered-{secrets.token_hex(8)}.tmp-{os.getpid()}"
         started = time.monotonic()
+        encoding = (job.options or {}).get("encoding", "raw")
         try:
-            shard = write_shard(unnumbered, [p for _, p in pieces], info["layers"], info["dtype"], info["hidden_size"])
+            shard = write_shard(
+                unnumbered,
+                [p for _, p in pieces],
+                info["layers"],
+                info["dtype"],
+                info["hidden_size"],
+                # the job's encoding (JobOptions.encoding), off the request loops' path: this flusher reads
+                # and checks the blocks, the encoding threads encode them
+                encoding=encoding,
+                encoders=None if encoding == "raw" else encoder_pool(),
+            )
         except NonFiniteSamples as exc:
             # Only those samples failed: their attempts say why, the others wait for the next shard.
             self._reject(job_id, [(x, exc.reasons[p.sample_id]) for x, p in pieces if p.sample_id in exc.reasons])
@@ -345,10 +357,19 @@ class ShardFlusher:
         finally:
             unnumbered.unlink(missing_ok=True)
         placed = [(x.pk, off, p.num_tokens) for (x, p), off in zip(pieces, shard.offsets)]
+        layer_stats = (
+            None if shard.layer_stats is None else {str(i): st.to_json() for i, st in shard.layer_stats.items()}
+        )
         try:
             self.db.run(
                 lambda s: repo.commit_shard(
-                    s, job_id, name=out.name, nbytes=shard.bytes, sha256=shard.sha256, placed=placed
+                    s,
+                    job_id,
+                    name=out.name,
+                    nbytes=shard.bytes,
+                    sha256=shard.sha256,
+                    placed=placed,
+                    layer_stats=layer_stats,
                 )
             )
         except repo.LeaseLost:

@@ -217,7 +217,8 @@ class HsxClient:
         return self._send(Calls.get_sample(job, sample_id))
 
     def sample_tensors(self, job: JobRef, sample_id: str) -> dict[str, torch.Tensor]:
-        """A stored sample's tensors as torch tensors: input_ids, loss_mask and layer_<i>."""
+        """A stored sample's tensors as torch tensors: input_ids, loss_mask and layer_<i>, in the job's dtype
+        whatever its encoding (the service decodes a lossless or fp8 job's layers)."""
         call = Calls.sample_tensors(job, sample_id)
         resp = self._http.request(call.method, call.path)
         if resp.is_error:

@@ -32,6 +32,7 @@ from hsx.service.errors import FieldError, InsufficientStorage, InvalidInput, Ou
 from hsx.service.lines import LineSplitter, LineTooLongError
 from hsx.service.spool import SampleSpool
 from hsx.states import SampleState
+from hsx.storage.encoding import stored_row_bytes
 from hsx.wire import MAX_TOKEN_ID, NO_LOSS_TOKENS, JobOptions, SampleIn, parse_body
 
 if TYPE_CHECKING:
@@ -54,12 +55,13 @@ class Limits:
     hidden_size: int | None = None
     dtype: str | None = None
 
-    def bytes_per_token(self, job_layers: list[int] | None) -> int | None:
-        """Shard bytes per token: every captured layer's row plus int64 input_ids and loss_mask."""
+    def bytes_per_token(self, job_layers: list[int] | None, encoding: str = "raw") -> int | None:
+        """Shard bytes per token: every captured layer's row as `encoding` stores it, plus int64
+        input_ids and loss_mask."""
         layers = job_layers or self.layers
         if not layers or not self.hidden_size or self.dtype not in HIDDEN_STATE_DTYPES:
             return None
-        return len(layers) * self.hidden_size * DTYPES[self.dtype].itemsize + 16
+        return len(layers) * stored_row_bytes(encoding, DTYPES[self.dtype], self.hidden_size) + 16
 
 
 class Ingest:
@@ -384,7 +386,7 @@ def store(
         request_sha256=request_sha256,
         options=None if options is None or options.is_default() else options.model_dump(exclude_defaults=True),
     )
-    per_token = limits.bytes_per_token(layers)
+    per_token = limits.bytes_per_token(layers, options.encoding if options is not None else "raw")
     # A conversation's tokens are known once it is rendered: such a job's size is unknown now.
     if per_token is not None and not spool.preparing:
         estimated = per_token * spool.tokens

@@ -1,7 +1,8 @@
-"""One stored sample's tensors as a small safetensors file, cut from its shard's raw bytes.
+"""One stored sample's tensors as a small safetensors file, cut from its shard.
 
-The rows are copied as bytes, never decoded, so the service needs no tensor library (bfloat16
-included) and answers with exactly what the shard holds.
+The rows are copied as bytes, and an encoded layer's decoded with numpy (hsx.storage.mapped), so the
+service needs no tensor library (bfloat16 included): the answer holds what a raw shard would, input_ids,
+loss_mask and layer_<i> in the job's dtype, whatever the job's encoding (a lossless layer bit for bit).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from hsx.names import shown
 from hsx.service.errors import NotFound, NotStored, ShardsMissing
 from hsx.service.jobs import get_job
 from hsx.states import SampleState
-from hsx.storage.safetensors_raw import SafetensorsFormatError, encode_header, read_index
+from hsx.storage.mapped import MappedShard
+from hsx.storage.safetensors_raw import encode_header
 
 
 def sample_tensors(*, session: Session, job_id: str, sample_id: str, output_root: Path) -> tuple[SampleRow, bytes]:
@@ -29,36 +31,27 @@ def sample_tensors(*, session: Session, job_id: str, sample_id: str, output_root
     if sample.state != SampleState.SUCCEEDED or sample.shard is None or sample.shard_offset is None:
         raise NotStored(sample_id, sample.state)
     layers = (job.model_info or {}).get("layers", [])
-    try:
-        data = cut_rows(
-            job_dir(output_root, job_id) / sample.shard,
-            ["input_ids", "loss_mask"] + [f"layer_{i}" for i in layers],
-            sample.shard_offset,
-            sample.num_tokens,
-            metadata={"sample_id": sample.sample_id, "job_id": job_id},
-        )
-    except FileNotFoundError:
-        raise ShardsMissing(job_id, [sample.shard]) from None
+    shard = job_dir(output_root, job_id) / sample.shard
+    if not shard.is_file():
+        raise ShardsMissing(job_id, [sample.shard])
+    data = cut_rows(
+        shard,
+        ["input_ids", "loss_mask"] + [f"layer_{i}" for i in layers],
+        sample.shard_offset,
+        sample.num_tokens,
+        metadata={"sample_id": sample.sample_id, "job_id": job_id},
+    )
     return sample, data
 
 
 def cut_rows(shard: Path, names: list[str], start: int, count: int, *, metadata: dict[str, str]) -> bytes:
-    """Rows start .. start + count of each named tensor in `shard`, as one safetensors file."""
-    spans = read_index(shard)
+    """Rows start .. start + count of each named tensor in `shard` (layers decoded), as one safetensors
+    file; a shard that cannot give them is a ValueError that says why."""
+    mapped = MappedShard(shard)
     entries: list[tuple[str, str, tuple[int, ...]]] = []
     parts: list[bytes] = []
-    with open(shard, "rb") as f:
-        for name in names:
-            if name not in spans:
-                raise SafetensorsFormatError(f"{shard.name}: no tensor {name}")
-            span = spans[name]
-            if not span.shape or start + count > span.shape[0]:
-                raise SafetensorsFormatError(
-                    f"{shard.name}: {name} {list(span.shape)} has no rows {start}..{start + count}"
-                )
-            rows = span.read_rows(f.fileno(), start, start + count)
-            if len(rows) != count * span.row_bytes:
-                raise SafetensorsFormatError(f"{shard.name}: truncated tensor data")
-            entries.append((name, span.dtype, (count, *span.shape[1:])))
-            parts.append(rows)
+    for name in names:
+        layout = mapped.layout(name)
+        parts.append(mapped.rows(name, start, start + count).tobytes())
+        entries.append((name, layout.dtype, (count, *layout.shape[1:])))
     return encode_header(entries, metadata) + b"".join(parts)

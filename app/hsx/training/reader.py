@@ -4,6 +4,10 @@
 `ShardReader` slices sample rows out of the shards with safetensors' memory-mapped `get_slice`, keeping
 a few opened shards in a small cache. The cache belongs to one process: after a fork (DataLoader
 workers) or a pickle (spawned workers) it starts empty, so no worker shares another's handles.
+
+A shard whose `__metadata__` names an encoding (hsx.storage.encoding) has its layers decoded here,
+from a mapping of the file (hsx.storage.mapped): the tensors come out as a raw shard would give
+them, a lossless layer bit for bit, an fp8 one in the job's dtype.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from hsx.dtypes import DTYPES_BY_CODE
 from hsx.manifest import HiddenStates, Manifest, ManifestSample, load_manifest, locate
+from hsx.storage.mapped import MappedShard
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,12 @@ def load_job(source: str | os.PathLike[str]) -> StoredJob:
     return StoredJob(job_dir, manifest_path, manifest, manifest.hidden_states())
 
 
+@dataclass
+class _OpenShard:
+    handle: safe_open
+    decoder: MappedShard | None  # an encoded shard's layers, decoded from its mapping
+
+
 class ShardReader:
     """Slices sample rows out of a job's shards through a small per-process cache of open shards."""
 
@@ -73,7 +85,7 @@ class ShardReader:
         self.job_dir = Path(job_dir)
         self.max_open = max_open
         self._pid: int | None = os.getpid()
-        self._handles: OrderedDict[str, safe_open] = OrderedDict()
+        self._handles: OrderedDict[str, _OpenShard] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -85,30 +97,38 @@ class ShardReader:
         """The shards this process holds open now (oldest first)."""
         return list(self._handles) if self._pid == os.getpid() else []
 
-    def handle(self, shard: str) -> safe_open:
+    def _open(self, shard: str) -> _OpenShard:
         if self._pid != os.getpid():  # a forked worker: the parent's handles are not ours
             self._handles = OrderedDict()
             self._pid = os.getpid()
         f = self._handles.get(shard)
         if f is None:
+            path = self.job_dir / shard
             try:
-                f = safe_open(str(self.job_dir / shard), framework="pt")
+                handle = safe_open(str(path), framework="pt")
+                encoded = (handle.metadata() or {}).get("encoding", "raw") != "raw"
             except Exception as exc:  # safetensors raises its own error type for a damaged file
-                raise ValueError(f"{self.job_dir / shard}: unreadable shard ({exc}); run hsx verify") from exc
-            self._handles[shard] = f
+                raise ValueError(f"{path}: unreadable shard ({exc}); run hsx verify") from exc
+            f = self._handles[shard] = _OpenShard(handle, MappedShard(path) if encoded else None)
             while len(self._handles) > self.max_open:
                 self._handles.popitem(last=False)
         else:
             self._handles.move_to_end(shard)
         return f
 
+    def handle(self, shard: str) -> safe_open:
+        return self._open(shard).handle
+
     def sample(self, entry: ManifestSample, keys: list[str]) -> dict[str, torch.Tensor]:
-        """The rows of `keys` that belong to one sample of the manifest."""
+        """The rows of `keys` that belong to one sample of the manifest (encoded layers decoded)."""
         start, stop = entry.offset, entry.offset + entry.num_tokens
-        f = self.handle(entry.shard)
+        handle, decoder = self.handle(entry.shard), self._open(entry.shard).decoder
         out = {}
         for key in keys:
-            t = f.get_slice(key)[start:stop]
+            if decoder is not None and decoder.encoded is not None and decoder.encoded.holds(key):
+                out[key] = _decoded(decoder, key, start, stop, entry)
+                continue
+            t = handle.get_slice(key)[start:stop]
             if t.shape[0] != stop - start:
                 raise ValueError(f"{entry.shard}: {key} ends before sample {entry.id!r} does")
             out[key] = t
@@ -116,3 +136,12 @@ class ShardReader:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _decoded(shard: MappedShard, key: str, start: int, stop: int, entry: ManifestSample) -> torch.Tensor:
+    """An encoded layer's rows start..stop as a tensor of the job's dtype [rows, hidden]."""
+    layout = shard.layout(key)
+    if layout.shape[0] < stop:
+        raise ValueError(f"{entry.shard}: {key} ends before sample {entry.id!r} does")
+    rows = shard.rows(key, start, stop)
+    return torch.from_numpy(rows).view(DTYPES_BY_CODE[layout.dtype].torch).reshape(stop - start, *layout.shape[1:])

@@ -48,9 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def describe(job: Job) -> list[str]:
+    encoding = job.options.encoding
     lines = [
         f"{job.id}  {job.name or '-'}  created {when(job.created_at)}"
         + (f"  layers {job.layers}" if job.layers else "")
+        + (f"  encoding {encoding}" if encoding != "raw" else "")
     ]
     if job.finished_at and job.started_at:
         lines.append(

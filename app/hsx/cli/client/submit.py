@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, add_quiet, follow, outcome, print_json, run
 from hsx.cli.progress import PROGRESS_NOTE, progress
 from hsx.layers import layers_arg
-from hsx.wire import InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
+from hsx.wire import Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
 
 if TYPE_CHECKING:
     from hsx.sdk import HsxClient, Job
@@ -33,6 +33,9 @@ With --input-path the service reads a JSONL or Parquet file under its own input 
 Every sample is checked before anything is stored: a refused job lists each bad line on stderr and
 exits 2. --max-length with --length-policy truncate or skip, and --on-invalid skip, keep a few bad
 samples from refusing the whole file: they are counted as skipped, each with its reason.
+--encoding lossless stores the hidden states compressed, bit for bit (about 0.7x the bytes of bfloat16);
+--encoding fp8 as float8_e4m3fn with a float32 scale per row (about 0.5x, each value within 1/28 of its
+row's largest magnitude). Every reader decodes them.
 With --wait the job's progress is followed until it finishes: exit 0 when it succeeded (every sample
 not skipped is stored), 3 when it is partial (some samples failed: see hsx samples JOB --state failed),
 1 when it failed (nothing stored) or was cancelled.
@@ -43,6 +46,7 @@ examples:
   hsx submit samples.jsonl --name run1 --wait
   hsx submit conversations.jsonl --name chat1 --max-length 2048 --length-policy truncate --wait
   hsx submit --input-path run1.jsonl --layers 2,4,5,8 --idempotency-key run1 --json
+  hsx submit samples.jsonl --name run2 --encoding lossless --wait
 """
 
 
@@ -103,6 +107,13 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--top-p", type=float, default=1.0, help="with --regenerate (default: %(default)s)")
     group.add_argument("--seed", type=int, help="with --regenerate: the sampling seed")
+    parser.add_argument(
+        "--encoding",
+        choices=get_args(Encoding),
+        default=_DEFAULTS.encoding,
+        help="how the shards store hidden states: as they came, lossless (zstd, bit for bit, about 0.7x the "
+        "bytes of bfloat16) or fp8 (e4m3 with a scale per row, about 0.5x); readers decode (default: %(default)s)",
+    )
 
 
 def job_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,6 +123,7 @@ def job_options(args: argparse.Namespace) -> dict[str, Any]:
         "on_invalid": args.on_invalid,
         "loss": args.loss,
         "tokenizer": args.tokenizer,
+        "encoding": args.encoding,
     }
     if args.regenerate is not None:
         options["regenerate"] = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
@@ -24,9 +26,17 @@ def reserve_shard_number(session: Session, job_id: str) -> int:
 
 
 def commit_shard(
-    session: Session, job_id: str, *, name: str, nbytes: int, sha256: str, placed: list[tuple[int, int, int]]
+    session: Session,
+    job_id: str,
+    *,
+    name: str,
+    nbytes: int,
+    sha256: str,
+    placed: list[tuple[int, int, int]],
+    layer_stats: dict[str, Any] | None = None,
 ) -> None:
-    """Record a written shard and mark its samples succeeded. `placed`: (pk, offset, tokens)."""
+    """Record a written shard and mark its samples succeeded. `placed`: (pk, offset, tokens);
+    `layer_stats`: what an encoded shard stored per layer (ShardRow.layer_stats)."""
     session.execute(
         insert(ShardRow).values(
             job_id=job_id,
@@ -36,6 +46,7 @@ def commit_shard(
             num_samples=len(placed),
             num_tokens=sum(t for _, _, t in placed),
             created_at=utcnow(),
+            layer_stats=layer_stats,
         )
     )
     # In parts, each within any database's limit on parameters (three a sample: pk twice, offset).
