@@ -23,13 +23,6 @@ from tests.support.stack import VOCAB, make_checkpoint, start_reference, start_s
 GOOD = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "answer one"}]
 BOOM = [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]
 SLOW = [{"role": "user", "content": "slow"}, {"role": "assistant", "content": "x"}]
-RAISES_ON_BOOM = (
-    "{% for m in messages %}{% if 'boom' in m['content'] %}{{ 1 // 0 }}{% endif %}{% endfor %}" + chat.LLAMA3
-)
-SLOW_ON_SLOW = (
-    "{% for m in messages %}{% if 'slow' in m['content'] %}"
-    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}{% endfor %}"
-) + chat.LLAMA3
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +36,7 @@ def hostile(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile-templates")
     return {
         name: str(chat.save_chat_tokenizer(root / name, template, vocab_size=VOCAB))
-        for name, template in (("boom", RAISES_ON_BOOM), ("slow", SLOW_ON_SLOW))
+        for name, template in (("boom", chat.RAISES_ON_BOOM), ("slow", chat.SLOW_ON_SLOW))
     }
 
 

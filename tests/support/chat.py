@@ -53,6 +53,14 @@ CHATML_ALTERNATING = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# A template whose own code fails on one word of a conversation, with an error Jinja does not know (not a
+# TemplateError); and one that takes hours on another word.
+RAISES_ON_BOOM = "{% for m in messages %}{% if 'boom' in m['content'] %}{{ 1 // 0 }}{% endif %}{% endfor %}" + LLAMA3
+SLOW_ON_SLOW = (
+    "{% for m in messages %}{% if 'slow' in m['content'] %}"
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}{% endfor %}"
+) + LLAMA3
+
 # style -> (bos, eos): Llama 3's base eos, Qwen's
 STYLES = {"llama3": ("<|begin_of_text|>", "<|end_of_text|>"), "chatml": (None, "<|endoftext|>")}
 _TEXT = (

@@ -25,15 +25,6 @@ TWO_TURNS = [
     {"role": "user", "content": "how are you"},
     {"role": "assistant", "content": "answer two"},
 ]
-# Fails on one word of a conversation with an error Jinja does not know (not a TemplateError).
-RAISES_ON_BOOM = (
-    "{% for m in messages %}{% if 'boom' in m['content'] %}{{ 1 // 0 }}{% endif %}{% endfor %}" + chat.LLAMA3
-)
-# Takes hours on one word of a conversation.
-SLOW_ON_SLOW = (
-    "{% for m in messages %}{% if 'slow' in m['content'] %}"
-    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}{% endfor %}"
-) + chat.LLAMA3
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +32,7 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("process-templates")
     return {
         name: chat.save_chat_tokenizer(root / name, template)
-        for name, template in (("llama3", chat.LLAMA3), ("boom", RAISES_ON_BOOM), ("slow", SLOW_ON_SLOW))
+        for name, template in (("llama3", chat.LLAMA3), ("boom", chat.RAISES_ON_BOOM), ("slow", chat.SLOW_ON_SLOW))
     }
 
 
