@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     GetPydanticSchema,
+    StrictFloat,
     StrictInt,
     ValidationError,
     field_validator,
@@ -161,17 +162,18 @@ MAX_NEW_TOKENS = 32768
 
 
 class RegenerateOptions(BaseModel):
-    """Regenerate every assistant turn with the model server before extraction."""
+    """Regenerate every assistant turn with the model server before extraction. Numbers are strict, as
+    every number of a job's body: `"8"` or `true` is refused, not read as 8 or 1."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int = Field(..., ge=1, le=MAX_NEW_TOKENS, description="the longest answer generated per turn")
-    temperature: float = Field(default=0.0, ge=0, le=10, description="0: greedy")
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = Field(
+    max_new_tokens: StrictInt = Field(..., ge=1, le=MAX_NEW_TOKENS, description="the longest answer generated per turn")
+    temperature: StrictFloat = Field(default=0.0, ge=0, le=10, description="0: greedy")
+    top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
+    seed: StrictInt | None = Field(
         default=None, ge=0, le=2**63 - 1, description="sampling seed, for answers that can be redone"
     )
-    concurrency: int = Field(default=8, ge=1, le=256, description="generation requests in flight per writer")
+    concurrency: StrictInt = Field(default=8, ge=1, le=256, description="generation requests in flight per writer")
 
 
 class JobOptions(BaseModel):
@@ -180,7 +182,7 @@ class JobOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_length: int | None = Field(
+    max_length: StrictInt | None = Field(
         default=None,
         ge=1,
         le=2**31 - 1,

@@ -30,7 +30,7 @@ from hsx.service.errors import (
     NotFound,
     ShardsMissing,
 )
-from hsx.service.leftovers import remove_leftover_folder
+from hsx.service.leftovers import job_folder, remove_leftover_folder
 from hsx.service.lines import LineTooLongError
 from hsx.states import TERMINAL_JOB_STATES, JobState
 from hsx.verify import verify_job as verify_folder
@@ -238,10 +238,11 @@ def retry_job(*, session: Session, job_id: str) -> JobRow:
 
 
 def delete_job(*, session: Session, job_id: str, output_root: Path, delete_files: bool) -> None:
-    """Delete a finished job's records and, with delete_files, its folder of shards and manifest. With
-    delete_files, a job whose records were deleted before (without its files) has its folder removed
-    when that is plainly hsx's (hsx.service.leftovers); NotFound when there are neither records nor
-    folder."""
+    """Delete a finished job's records and, with delete_files, its folder of shards and manifest, when
+    that is plainly hsx's (hsx.service.leftovers): else ForeignFiles, and nothing is deleted, the
+    records included. With delete_files, a job whose records were deleted before (without its files)
+    has its folder removed under the same rule; NotFound when there are neither records nor folder."""
+    folder = None
     with session.begin():
         try:
             job: JobRow | None = get_job(session=session, job_id=job_id)
@@ -251,14 +252,16 @@ def delete_job(*, session: Session, job_id: str, output_root: Path, delete_files
         if job is not None and deleted is False:
             how = "wait until it is cancelled" if job.state == JobState.CANCELLING else "cancel it or let it finish"
             raise InvalidTransition(f"job is {job.state}; {how} first")
+        if deleted and delete_files:
+            folder = job_folder(output_root, job_id)  # ForeignFiles here rolls the records' deletion back
     if deleted is None:
         # No records (never, or deleted before, perhaps by a request that raced this one): only a folder
         # they left can be deleted.
         if not (delete_files and remove_leftover_folder(output_root, job_id)):
             raise NotFound(f"job {shown(job_id)}")
         return
-    if delete_files:
-        shutil.rmtree(job_dir(output_root, job_id), ignore_errors=True)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def shard_file(*, session: Session, job_id: str, name: str, output_root: Path) -> tuple[ShardRow, Path, os.stat_result]:
