@@ -132,7 +132,8 @@ class Settings(BaseSettings):
         8 * MiB,
         description="longest JSON text of one sample: a line of an application/x-ndjson body (longer: 413 naming "
         "the line), an element of an inline samples array (413 naming the sample) or a line of a JSONL input file "
-        "(422); 8 MiB holds about a million token ids with their loss mask",
+        "(422); also the most data one row of a Parquet input file may hold, uncompressed (422 naming the row); "
+        "8 MiB holds about a million token ids with their loss mask",
     )
     large_body_bytes: int = Field(
         8 * MiB, description="a job creation whose body is larger than this counts against --max-large-bodies"

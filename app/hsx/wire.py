@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.json_schema import JsonDict
-from pydantic_core import core_schema
+from pydantic_core import PydanticCustomError, core_schema
 
 from hsx.layers import MAX_LAYER_INDEX, MAX_LAYERS, check_layers
 from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
@@ -100,14 +100,49 @@ JOB_CREATE_SCHEMA: JsonDict = {
 }
 
 
+# The most messages (turns) a conversation sample may hold, whatever their length: rendering and span
+# finding work turn by turn, and a conversation longer than any a chat model is trained on is a mistake
+# (or an attack) rather than a sample. More is an invalid sample: a 422, or skipped under on_invalid=skip.
+MAX_TURNS = 512
+
+
+def _turns(value: Any) -> Any:
+    """A conversation's turns cut where pydantic would find the first fault, so that it reports that one
+    and no other: after the first turn that is not an object (`messages.<index>`), else one error for a
+    list longer than MAX_TURNS. The scan stops after MAX_TURNS + 1 turns, so a list of millions costs
+    no more than one of MAX_TURNS. (hsx.service.json_body cuts a sample's JSON text the same way before
+    it is parsed, so that such a list is not even built.)"""
+    if not isinstance(value, list):
+        return value
+    for i, turn in enumerate(value[: MAX_TURNS + 1]):
+        if not isinstance(turn, dict):
+            return value[: i + 1]
+    if len(value) > MAX_TURNS:
+        raise PydanticCustomError(
+            "too_many_turns",
+            "holds more than {most} messages: a conversation holds at most {most}",
+            {"most": MAX_TURNS},
+        )
+    return value
+
+
+Turns = Annotated[
+    list[dict[str, Any]], BeforeValidator(_turns), Field(json_schema_extra={"minItems": 1, "maxItems": MAX_TURNS})
+]
+
+
 # What a conversation sample may carry besides its turns: other keys of a dataset's records (a source,
 # a score) are ignored rather than refused, so that ShareGPT and UltraChat files load as they are.
 _CONVERSATION_KEYS = frozenset({"id", "messages", "conversations", "input_ids", "loss_mask"})
 MESSAGES_DESCRIPTION = (
-    "a conversation, OpenAI style: [{role: system|user|assistant, content: text}...]; rendered into input_ids "
-    "and a loss mask with the model's own chat template before extraction (see the job's `loss` and `tokenizer`)"
+    "a conversation, OpenAI style: [{role: system|user|assistant, content: text}...], 1 to "
+    f"{MAX_TURNS} messages; rendered into input_ids and a loss mask with the model's own chat template before "
+    "extraction (see the job's `loss` and `tokenizer`)"
 )
-CONVERSATIONS_DESCRIPTION = "a conversation, ShareGPT style: [{from: system|human|gpt, value: text}...]; as `messages`"
+CONVERSATIONS_DESCRIPTION = (
+    f"a conversation, ShareGPT style: [{{from: system|human|gpt, value: text}}...], 1 to {MAX_TURNS} messages; "
+    "as `messages`"
+)
 
 
 class SampleIn(BaseModel):
@@ -130,8 +165,8 @@ class SampleIn(BaseModel):
         description="0/1 per token, as many as input_ids; default all 1",
         json_schema_extra=LOSS_MASK_SCHEMA,
     )
-    messages: list[dict[str, Any]] | None = Field(None, description=MESSAGES_DESCRIPTION)
-    conversations: list[dict[str, Any]] | None = Field(None, description=CONVERSATIONS_DESCRIPTION)
+    messages: Turns | None = Field(None, description=MESSAGES_DESCRIPTION)
+    conversations: Turns | None = Field(None, description=CONVERSATIONS_DESCRIPTION)
 
     @model_validator(mode="before")
     @classmethod
