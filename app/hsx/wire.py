@@ -488,6 +488,14 @@ class WorkerOut(BaseModel):
     )
     layers: list[int] | None = Field(description="the layers its server gives")
     source: str | None = Field(description="dumps or response: how it takes hidden states from its server")
+    vocab_size: int | None = Field(
+        None,
+        description="its server's vocabulary: token ids below it (null: not said); a new job's samples are checked "
+        "against the tightest of the live workers that may run it",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, description="the longest prompt its server takes, in tokens (null: not said); as vocab_size"
+    )
     started_at: datetime
     heartbeat_at: datetime = Field(description="its last heartbeat")
     lease_expires_at: datetime | None = Field(description="when its samples go back to the queue unless it renews")

@@ -22,7 +22,7 @@ from hsx.extraction.finishing import finish_job
 from hsx.manifest import MANIFEST_NAME, Manifest, build_manifest, job_dir
 from hsx.names import shown
 from hsx.service import intake, json_body
-from hsx.service.backend_info import BackendInfo
+from hsx.service.backend_info import BackendInfo, job_limits
 from hsx.service.errors import (
     ContentTooLarge,
     IdempotencyKeyReused,
@@ -73,7 +73,7 @@ def create_job(
         existing = _job_with_key(sessions, idempotency_key)
         if existing is not None:
             return _replayed(existing, digest.hexdigest())
-    limits = backend.limits()
+    limits = job_limits(backend, sessions, request.layers)
     options = JobOptions.model_validate(request.model_dump(include=set(JobOptions.model_fields)))
     ingest = intake.Ingest(limits, options)
     try:
@@ -126,7 +126,7 @@ async def create_job_from_ndjson(
             async for chunk in body:  # the whole body, for its digest
                 digest.update(chunk)
             return _replayed(existing, digest.hexdigest())
-    limits = await run_sync(backend.limits)
+    limits = await run_sync(job_limits, backend, sessions, layers)
     ingest = intake.Ingest(limits, options)
     try:
         reader = intake.JsonlReader(ingest, settings.max_sample_bytes, digest)

@@ -87,6 +87,7 @@ from hsx.db.repository.writers import (
     renew_lease,
     report_writer_stopped,
     waiting,
+    writer_limits,
 )
 
 __all__ = [
@@ -157,4 +158,5 @@ __all__ = [
     "store_prepared",
     "utcnow",
     "waiting",
+    "writer_limits",
 ]
