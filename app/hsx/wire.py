@@ -239,10 +239,13 @@ class JobOptions(BaseModel):
         description="a conversation's loss mask: 1 on what the assistant produces (each turn's content and "
         "end-of-turn token), on its last turn only, or on all tokens",
     )
-    tokenizer: Annotated[str, Field(max_length=MAX_INPUT_PATH)] | None = Field(
-        default=None,
-        description="a local folder with the tokenizer and chat template that render conversations, readable where "
-        "the writers run; default: the model path the model server reports",
+    tokenizer: Annotated[PlainText, Field(max_length=MAX_INPUT_PATH, json_schema_extra={"pattern": PATTERN})] | None = (
+        Field(
+            default=None,
+            description="a folder with the tokenizer and chat template that render conversations, readable where the "
+            "writers run: an absolute path under one of the service's tokenizer roots (--tokenizer-roots), or the "
+            "model path a worker's server reports (else a 422); default: the model path the model server reports",
+        )
     )
     regenerate: RegenerateOptions | None = Field(
         default=None, description="replace every assistant turn with the model's own answer before extraction"

@@ -106,10 +106,18 @@ def test_a_job_no_live_worker_may_run_is_checked_without_their_limits(api_and_wo
 
 
 def test_a_worker_registers_what_its_server_accepts(api_and_worker, database_url):
-    """The registration is in the database, where any API on it reads it: a second API reads the same."""
+    """The registration is in the database, where any API on it reads it: a second API reads the same,
+    and takes as a job's tokenizer the model path the worker's server reports (here not even a path),
+    with no tokenizer roots named."""
     svc, _ = api_and_worker
+    [registered] = svc.get("/v1/workers").json()["data"]
     other: Service = start_service(svc.output_root.parent, database_url, extra=["--no-writer"])
     try:
         problem(other.post_job({"samples": [{"input_ids": [VOCAB]}]}), 422)
+        conversation = {"messages": [{"role": "user", "content": "hi"}]}
+        resp = other.post_job({"samples": [conversation], "tokenizer": registered["model_path"]})
+        assert resp.status_code == 202, resp.text
+        err = problem(other.post_job({"samples": [conversation], "tokenizer": "/models/x"}), 422)["errors"]
+        assert err[0]["field"] == "tokenizer"
     finally:
         other.stop()

@@ -238,3 +238,66 @@ def test_a_job_folder_that_is_a_symbolic_link_is_refused_and_left(service, tmp_p
     assert refused["foreign_files"] == [job["id"]] and "symbolic link" in refused["detail"]
     assert folder.is_symlink() and (elsewhere / "manifest.json").is_file(), "neither the link nor its target touched"
     assert service.get(f"/v1/jobs/{job['id']}").status_code == 200, "the records stay too"
+
+
+@pytest.fixture
+def rooted(tmp_path, database_url):
+    """An API-only service whose jobs may name tokenizers under one root, which does not exist (the API
+    never looks)."""
+    root = tmp_path / "tokenizers"
+    svc = start_service(tmp_path, database_url, extra=["--no-writer", "--tokenizer-roots", f"{root},/srv/other"])
+    yield svc, root
+    svc.stop()
+
+
+CONVERSATION = {"messages": turns(2)}
+
+
+@pytest.mark.parametrize(
+    "tokenizer",
+    ["/etc", "/proc/self/cwd", "../../../../etc", "/root", "tokenizers/llama", "/srv/other/../../etc", "/srv/otherx"],
+)
+def test_a_tokenizer_outside_the_roots_is_refused_at_creation(rooted, tokenizer):
+    svc, root = rooted
+    before = stored_rows(svc)
+    for tried in (tokenizer, f"{root}/../../{tokenizer.lstrip('./')}"):
+        errors = problem(post(svc, {"samples": [CONVERSATION], "tokenizer": tried}), 422)["errors"]
+        assert [e["field"] for e in errors] == ["tokenizer"], errors
+        assert f"--tokenizer-roots: {root}, /srv/other" in errors[0]["message"]
+        line = (json.dumps(CONVERSATION) + "\n").encode()
+        resp = svc.client.post(svc.url + "/v1/jobs", params={"tokenizer": tried}, content=line, headers=NDJSON)
+        assert problem(resp, 422)["errors"][0]["field"] == "tokenizer"
+    assert stored_rows(svc) == before
+
+
+def test_a_refusal_says_nothing_of_what_exists(rooted, tmp_path):
+    svc, _ = rooted
+    (tmp_path / "there").mkdir()
+    said = {
+        path: problem(post(svc, {"samples": [CONVERSATION], "tokenizer": path}), 422)["errors"][0]["message"]
+        for path in (str(tmp_path / "there"), str(tmp_path / "not-there"), "/etc", "/no/such/folder")
+    }
+    assert len(set(said.values())) == 1, said
+
+
+@pytest.mark.parametrize("tokenizer", ["/srv/other/llama\x00", "/srv/other/\x00/etc"])
+def test_a_tokenizer_holding_a_nul_is_refused(rooted, tokenizer):
+    svc, _ = rooted
+    errors = problem(post(svc, {"samples": [CONVERSATION], "tokenizer": tokenizer}), 422)["errors"]
+    assert errors[0]["field"] == "tokenizer" and "NUL" in errors[0]["message"]
+
+
+def test_a_tokenizer_under_a_root_is_taken_whether_or_not_it_exists_here(rooted):
+    svc, root = rooted
+    for tokenizer in (f"{root}/llama", f"{root}/./a/../b/", "/srv/other", "/srv/other/qwen"):
+        resp = post(svc, {"samples": [CONVERSATION], "tokenizer": tokenizer})
+        assert resp.status_code == 202, (tokenizer, resp.text)
+        assert resp.json()["options"]["tokenizer"] == tokenizer
+    line = (json.dumps(CONVERSATION) + "\n").encode()
+    resp = svc.client.post(svc.url + "/v1/jobs", params={"tokenizer": f"{root}/x"}, content=line, headers=NDJSON)
+    assert resp.status_code == 202, resp.text
+
+
+def test_without_roots_only_the_model_path_is_allowed(service, unchanged):
+    errors = problem(post(service, {"samples": [CONVERSATION], "tokenizer": "/models/llama"}), 422)["errors"]
+    assert "this service names none (--tokenizer-roots)" in errors[0]["message"]

@@ -66,7 +66,14 @@ def ndjson_options(
         InvalidPolicy, Query(description="an invalid sample: reject the request, or skip it")
     ] = "reject",
     loss: Annotated[LossPolicy, Query(description="a conversation's loss mask (see JobCreate)")] = "assistant",
-    tokenizer: Annotated[str | None, Query(max_length=4096, description="tokenizer folder for conversations")] = None,
+    tokenizer: Annotated[
+        str | None,
+        Query(
+            max_length=4096,
+            description="tokenizer folder for conversations: under the service's --tokenizer-roots, or the model "
+            "path a worker's server reports (see JobCreate)",
+        ),
+    ] = None,
     regenerate_max_new_tokens: Annotated[
         int | None,
         Query(ge=1, le=MAX_NEW_TOKENS, description="regenerate every assistant turn, at most this many tokens each"),

@@ -15,7 +15,7 @@ from anyio.to_thread import run_sync
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from hsx.config import Settings
+from hsx.config import Settings, tokenizer_refusal
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow, ShardRow
 from hsx.extraction.finishing import finish_job
@@ -26,6 +26,7 @@ from hsx.service.backend_info import BackendInfo, job_limits
 from hsx.service.errors import (
     ContentTooLarge,
     IdempotencyKeyReused,
+    InvalidInput,
     InvalidTransition,
     NotFound,
     ShardsMissing,
@@ -73,8 +74,9 @@ def create_job(
         existing = _job_with_key(sessions, idempotency_key)
         if existing is not None:
             return _replayed(existing, digest.hexdigest())
-    limits = job_limits(backend, sessions, request.layers)
     options = JobOptions.model_validate(request.model_dump(include=set(JobOptions.model_fields)))
+    check_tokenizer(sessions, settings, options)
+    limits = job_limits(backend, sessions, request.layers)
     ingest = intake.Ingest(limits, options)
     try:
         if request.input_path is not None:
@@ -126,6 +128,7 @@ async def create_job_from_ndjson(
             async for chunk in body:  # the whole body, for its digest
                 digest.update(chunk)
             return _replayed(existing, digest.hexdigest())
+    await run_sync(check_tokenizer, sessions, settings, options)
     limits = await run_sync(job_limits, backend, sessions, layers)
     ingest = intake.Ingest(limits, options)
     try:
@@ -163,6 +166,18 @@ async def create_job_from_ndjson(
         )
     finally:
         ingest.close()
+
+
+def check_tokenizer(sessions: sessionmaker[Session], settings: Settings, options: JobOptions) -> None:
+    """A job's `tokenizer`, when it names one, must be a folder under the tokenizer roots or the model
+    path a live writer's server reports (hsx.config.tokenizer_refusal); InvalidInput otherwise."""
+    if options.tokenizer is None:
+        return
+    with sessions() as session:
+        model_paths = repo.reported_model_paths(session)
+    why = tokenizer_refusal(options.tokenizer, settings.tokenizer_root_list(), model_paths)
+    if why is not None:
+        raise InvalidInput([{"field": "tokenizer", "message": why}])
 
 
 def _store(

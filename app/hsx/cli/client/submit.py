@@ -25,9 +25,10 @@ DESCRIPTION = f"""Create an extraction job.
 FILE is a local JSONL file with one sample per line: token ids, {{"id": ..., "input_ids": [...],
 "loss_mask": [...]}} (id and loss_mask optional), or a conversation, {{"id": ..., "messages": [{{"role": ...,
 "content": ...}}, ...]}} or ShareGPT's {{"id": ..., "conversations": [{{"from": ..., "value": ...}}, ...]}}.
-Conversations are rendered with the model's own chat template (--tokenizer, default: the model path the
-server reports), with a loss mask on what the assistant says (--loss), before extraction; with
---regenerate N every assistant turn is first generated again by the model (at most N tokens).
+Conversations are rendered with the model's own chat template (--tokenizer, a folder under the service's
+--tokenizer-roots; default: the model path the server reports), with a loss mask on what the assistant
+says (--loss), before extraction; with --regenerate N every assistant turn is first generated again by
+the model (at most N tokens).
 FILE is streamed to the service as application/x-ndjson, never read whole; "-" reads standard input.
 With --input-path the service reads a JSONL or Parquet file under its own input root instead.
 Every sample is checked before anything is stored: a refused job lists each bad line on stderr and
@@ -97,7 +98,10 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     group.add_argument(
-        "--tokenizer", metavar="DIR", help="tokenizer folder on the writers' hosts (default: the model's)"
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer folder on the writers' hosts: an absolute path under the service's --tokenizer-roots "
+        "(default: the model path the server reports)",
     )
     group.add_argument("--regenerate", type=int, metavar="N", help="regenerate every assistant turn, at most N tokens")
     group.add_argument(

@@ -86,6 +86,7 @@ from hsx.db.repository.writers import (
     register_writer,
     renew_lease,
     report_writer_stopped,
+    reported_model_paths,
     waiting,
     writer_limits,
 )
@@ -146,6 +147,7 @@ __all__ = [
     "release_preparing",
     "renew_lease",
     "report_writer_stopped",
+    "reported_model_paths",
     "requeue_staged",
     "requeued_samples",
     "reserve_shard_number",

@@ -170,6 +170,12 @@ def writer_limits(session: Session, layers: list[int] | None) -> tuple[int | Non
     return vocab, longest
 
 
+def reported_model_paths(session: Session) -> set[str]:
+    """The model paths the live writers' servers report (a job may name one as its tokenizer)."""
+    paths = ((w.server or {}).get("model_path") for w in live_writers(session) if w.state not in _GONE)
+    return {p for p in paths if isinstance(p, str)}
+
+
 def waiting(session: Session) -> Waiting:
     """Why active jobs make no progress, job by job (hsx.matching.Waiting)."""
     return Waiting(live_writers(session))
