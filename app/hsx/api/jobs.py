@@ -106,7 +106,8 @@ CREATED_HEADERS = {"headers": {"Location": {"description": "the job's URL", "sch
     "(`input_ids`, optional `loss_mask`) or a conversation (`messages` or ShareGPT `conversations`), which a "
     "writer renders with the model's chat template before extraction. All samples are checked before "
     "anything is stored. With an `Idempotency-Key` header, repeating the same request "
-    "returns the first job; the same key with another body is a 422.",
+    "returns the first job; the same key with another body is a 422. Bodies are UTF-8: another `charset` is a "
+    "415.",
 )
 async def create_job(
     request: Request,
