@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from hsx.service.errors import InvalidInput
-from hsx.service.json_body import cut_turns, job_request
+from hsx.service.json_body import MAX_DEPTH, cut_turns, job_request
 from hsx.wire import MAX_TURNS, SampleIn
 
 SAMPLES = [
@@ -152,3 +152,12 @@ def test_elements_of_any_nesting_with_brackets_quotes_and_escapes_in_strings():
         dump = rng.choice([{}, {"separators": (",", ":")}, {"indent": 1}, {"ensure_ascii": False}])
         _, elements = job_request(json.dumps({"samples": samples}, **dump).encode())
         assert [json.loads(t) for _, t in elements] == samples
+
+
+def test_nesting_deeper_than_the_parser_reads_is_refused_by_the_walk():
+    deep = b'{"samples": [{"input_ids": [1], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}"
+    with pytest.raises(InvalidInput) as exc:
+        list(job_request(deep)[1])
+    assert f"nested more than {MAX_DEPTH} deep" in exc.value.detail
+    _, elements = job_request(json.dumps({"samples": [{"x": [[[[1]]]] * 3, "input_ids": [1]}]}).encode())
+    assert [json.loads(t) for _, t in elements] == [{"x": [[[[1]]]] * 3, "input_ids": [1]}]
