@@ -4,6 +4,7 @@ order). The descriptions are the flags' help (`hsx serve --help`)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -139,7 +140,8 @@ class Settings(BaseSettings):
         8 * MiB,
         description="longest JSON text of one sample: a line of an application/x-ndjson body (longer: 413 naming "
         "the line), an element of an inline samples array (413 naming the sample) or a line of a JSONL input file "
-        "(422); 8 MiB holds about a million token ids with their loss mask",
+        "(422); also the most data one row of a Parquet input file may hold, uncompressed (422 naming the row); "
+        "8 MiB holds about a million token ids with their loss mask",
     )
     large_body_bytes: int = Field(
         8 * MiB, description="a job creation whose body is larger than this counts against --max-large-bodies"
@@ -194,6 +196,13 @@ class Settings(BaseSettings):
         description="hsx worker only: the address --metrics-port listens on; 0.0.0.0 (or the node's address) for "
         "a Prometheus on another host or a container probe from outside",
     )
+    tokenizer_roots: str = Field(
+        "",
+        description="comma-separated folders under which a job's `tokenizer` may name a folder (an absolute path; "
+        "the model path a writer's server reports is always allowed, any other is refused at creation with a 422); "
+        "give the API and every worker the same list: the API checks the path as written, a writer again once "
+        "its symbolic links are followed; unset: only the model path",
+    )
     run_writer: bool = Field(
         True,
         description="run the single writer for the dump root in this process; without it the process serves "
@@ -207,14 +216,63 @@ class Settings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(SOURCES)}")
         return value
 
+    @field_validator("tokenizer_roots")
+    @classmethod
+    def _absolute_roots(cls, value: str) -> str:
+        for root in _listed(value):
+            if not os.path.isabs(root):
+                raise ValueError(f"{root!r} is not an absolute path; name each tokenizer root from /")
+        return value
+
     @field_validator("api_tokens")
     @classmethod
     def _valid_tokens(cls, value: str) -> str:
         parse_tokens(value)
         return value
 
+    def tokenizer_root_list(self) -> list[str]:
+        """The tokenizer roots, each absolute and without `.` or `..` (as written: a symbolic link in one
+        is the operator's to name)."""
+        return [os.path.normpath(root) for root in _listed(self.tokenizer_roots)]
+
     def resolved_staging_dir(self) -> Path:
         if self.staging_dir is not None:
             return self.staging_dir
         root = self.dump_root.resolve()
         return root.with_name(root.name + ".hsx-staging")
+
+
+def _listed(spec: str) -> list[str]:
+    return [part.strip() for part in spec.split(",") if part.strip()]
+
+
+def tokenizer_refusal(tokenizer: str, roots: Sequence[str], model_paths: Collection[str]) -> str | None:
+    """Why a job may not name `tokenizer` (a folder for its writers to load), or None when it may: the
+    model path a writer's server reports, or an absolute path that, `..` taken lexically, lies under one
+    of `roots` (Settings.tokenizer_root_list). Only the text is read, never the file system: the folder
+    is the writers' to load, on their hosts, and a refusal must not tell whether something exists on
+    any. A writer checks the folder again with its symbolic links followed (tokenizer_within_roots)."""
+    if tokenizer in model_paths:
+        return None
+    where = (
+        f"under one of the service's tokenizer roots (--tokenizer-roots: {', '.join(roots)})"
+        if roots
+        else "under a tokenizer root, and this service names none (--tokenizer-roots)"
+    )
+    if not os.path.isabs(tokenizer):
+        return f"must be an absolute path {where}, or the model path a worker's server reports"
+    path = os.path.normpath(tokenizer)
+    if not any(_within(path, root) for root in roots):
+        return f"must be a folder {where}, or the model path a worker's server reports"
+    return None
+
+
+def tokenizer_within_roots(folder: str, roots: Sequence[str]) -> bool:
+    """Whether `folder`, its symbolic links followed, lies under one of `roots` (theirs followed too):
+    what a writer checks before it loads a job's tokenizer that is not its server's model path."""
+    real = os.path.realpath(folder)
+    return any(_within(real, os.path.realpath(root)) for root in roots)
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")

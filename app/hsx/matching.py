@@ -83,6 +83,13 @@ class Waiting:
         return f"no live worker serves this job: it needs {' and '.join(needs)}; {offers}"
 
 
+def may_take_new(w: WriterRow, layers: list[int] | None) -> bool:
+    """Whether the writer may claim the samples of a job just created with `layers` (None: any), which
+    no stored sample has tied to a model yet."""
+    wanted, mine = layers_key(layers), _serves(w).layers
+    return wanted is None or mine is None or wanted == mine
+
+
 def _not_ready(w: WriterRow) -> str:
     """`identity: state: reason`, without a state of "waiting": the job's reason is shown as why it
     waits ("Waiting: host:/dumps: model server not ready: ..."), which would say it twice."""

@@ -24,6 +24,9 @@ MAX_LENGTH = 200
 # no pattern: a JSON text cannot carry them (the parser refuses the body).
 PATTERN = "^[^\\u0000-\\u001f\\u007f]*$"
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
+# The form of every job id (and so of every job folder's name): "job_", the creation time in ms and 4
+# random bytes, as hex (hsx.db.repository.new_job_id makes them; is_job_id checks them).
+JOB_ID_FORM = "job_[0-9a-f]{20}"
 # Integer sample ids are stored as their decimal text; 64 bits keep that well within MAX_LENGTH.
 INT_ID_MIN, INT_ID_MAX = -(2**63), 2**63 - 1
 

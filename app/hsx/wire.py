@@ -17,13 +17,14 @@ from pydantic import (
     ConfigDict,
     Field,
     GetPydanticSchema,
+    StrictFloat,
     StrictInt,
     ValidationError,
     field_validator,
     model_validator,
 )
 from pydantic.json_schema import JsonDict
-from pydantic_core import core_schema
+from pydantic_core import PydanticCustomError, core_schema
 
 from hsx import dtypes
 from hsx.layers import MAX_LAYER_INDEX, MAX_LAYERS, check_layers
@@ -103,14 +104,49 @@ JOB_CREATE_SCHEMA: JsonDict = {
 }
 
 
+# The most messages (turns) a conversation sample may hold, whatever their length: rendering and span
+# finding work turn by turn, and a conversation longer than any a chat model is trained on is a mistake
+# (or an attack) rather than a sample. More is an invalid sample: a 422, or skipped under on_invalid=skip.
+MAX_TURNS = 512
+
+
+def _turns(value: Any) -> Any:
+    """A conversation's turns cut where pydantic would find the first fault, so that it reports that one
+    and no other: after the first turn that is not an object (`messages.<index>`), else one error for a
+    list longer than MAX_TURNS. The scan stops after MAX_TURNS + 1 turns, so a list of millions costs
+    no more than one of MAX_TURNS. (hsx.service.json_body cuts a sample's JSON text the same way before
+    it is parsed, so that such a list is not even built.)"""
+    if not isinstance(value, list):
+        return value
+    for i, turn in enumerate(value[: MAX_TURNS + 1]):
+        if not isinstance(turn, dict):
+            return value[: i + 1]
+    if len(value) > MAX_TURNS:
+        raise PydanticCustomError(
+            "too_many_turns",
+            "holds more than {most} messages: a conversation holds at most {most}",
+            {"most": MAX_TURNS},
+        )
+    return value
+
+
+Turns = Annotated[
+    list[dict[str, Any]], BeforeValidator(_turns), Field(json_schema_extra={"minItems": 1, "maxItems": MAX_TURNS})
+]
+
+
 # What a conversation sample may carry besides its turns: other keys of a dataset's records (a source,
 # a score) are ignored rather than refused, so that ShareGPT and UltraChat files load as they are.
 _CONVERSATION_KEYS = frozenset({"id", "messages", "conversations", "input_ids", "loss_mask"})
 MESSAGES_DESCRIPTION = (
-    "a conversation, OpenAI style: [{role: system|user|assistant, content: text}...]; rendered into input_ids "
-    "and a loss mask with the model's own chat template before extraction (see the job's `loss` and `tokenizer`)"
+    "a conversation, OpenAI style: [{role: system|user|assistant, content: text}...], 1 to "
+    f"{MAX_TURNS} messages; rendered into input_ids and a loss mask with the model's own chat template before "
+    "extraction (see the job's `loss` and `tokenizer`)"
 )
-CONVERSATIONS_DESCRIPTION = "a conversation, ShareGPT style: [{from: system|human|gpt, value: text}...]; as `messages`"
+CONVERSATIONS_DESCRIPTION = (
+    f"a conversation, ShareGPT style: [{{from: system|human|gpt, value: text}}...], 1 to {MAX_TURNS} messages; "
+    "as `messages`"
+)
 
 
 class SampleIn(BaseModel):
@@ -133,8 +169,8 @@ class SampleIn(BaseModel):
         description="0/1 per token, as many as input_ids; default all 1",
         json_schema_extra=LOSS_MASK_SCHEMA,
     )
-    messages: list[dict[str, Any]] | None = Field(None, description=MESSAGES_DESCRIPTION)
-    conversations: list[dict[str, Any]] | None = Field(None, description=CONVERSATIONS_DESCRIPTION)
+    messages: Turns | None = Field(None, description=MESSAGES_DESCRIPTION)
+    conversations: Turns | None = Field(None, description=CONVERSATIONS_DESCRIPTION)
 
     @model_validator(mode="before")
     @classmethod
@@ -170,17 +206,18 @@ NO_LOSS_TOKENS = "no_loss_tokens"
 
 
 class RegenerateOptions(BaseModel):
-    """Regenerate every assistant turn with the model server before extraction."""
+    """Regenerate every assistant turn with the model server before extraction. Numbers are strict, as
+    every number of a job's body: `"8"` or `true` is refused, not read as 8 or 1."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int = Field(..., ge=1, le=MAX_NEW_TOKENS, description="the longest answer generated per turn")
-    temperature: float = Field(default=0.0, ge=0, le=10, description="0: greedy")
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = Field(
+    max_new_tokens: StrictInt = Field(..., ge=1, le=MAX_NEW_TOKENS, description="the longest answer generated per turn")
+    temperature: StrictFloat = Field(default=0.0, ge=0, le=10, description="0: greedy")
+    top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
+    seed: StrictInt | None = Field(
         default=None, ge=0, le=2**63 - 1, description="sampling seed, for answers that can be redone"
     )
-    concurrency: int = Field(default=8, ge=1, le=256, description="generation requests in flight per writer")
+    concurrency: StrictInt = Field(default=8, ge=1, le=256, description="generation requests in flight per writer")
 
 
 class JobOptions(BaseModel):
@@ -189,7 +226,7 @@ class JobOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_length: int | None = Field(
+    max_length: StrictInt | None = Field(
         default=None,
         ge=1,
         le=2**31 - 1,
@@ -211,10 +248,13 @@ class JobOptions(BaseModel):
         description="a conversation's loss mask: 1 on what the assistant produces (each turn's content and "
         "end-of-turn token), on its last turn only, or on all tokens",
     )
-    tokenizer: Annotated[str, Field(max_length=MAX_INPUT_PATH)] | None = Field(
-        default=None,
-        description="a local folder with the tokenizer and chat template that render conversations, readable where "
-        "the writers run; default: the model path the model server reports",
+    tokenizer: Annotated[PlainText, Field(max_length=MAX_INPUT_PATH, json_schema_extra={"pattern": PATTERN})] | None = (
+        Field(
+            default=None,
+            description="a folder with the tokenizer and chat template that render conversations, readable where the "
+            "writers run: an absolute path under one of the service's tokenizer roots (--tokenizer-roots), or the "
+            "model path a worker's server reports (else a 422); default: the model path the model server reports",
+        )
     )
     regenerate: RegenerateOptions | None = Field(
         default=None, description="replace every assistant turn with the model's own answer before extraction"
@@ -493,6 +533,14 @@ class WorkerOut(BaseModel):
     )
     layers: list[int] | None = Field(description="the layers its server gives")
     source: str | None = Field(description="dumps or response: how it takes hidden states from its server")
+    vocab_size: int | None = Field(
+        None,
+        description="its server's vocabulary: token ids below it (null: not said); a new job's samples are checked "
+        "against the tightest of the live workers that may run it",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, description="the longest prompt its server takes, in tokens (null: not said); as vocab_size"
+    )
     started_at: datetime
     heartbeat_at: datetime = Field(description="its last heartbeat")
     lease_expires_at: datetime | None = Field(description="when its samples go back to the queue unless it renews")

@@ -281,8 +281,10 @@ def test_query_values_no_id_can_hold(service):
     for path, params, field, words in cases:
         err = first_error(problem(service.get(path, params=params), 422))
         assert err["field"] == field and words in err["message"], (params, err)
-    # A job cursor at the limit is a cursor like any other (ids sort by creation; nothing is that long).
-    assert service.get("/v1/jobs", params={"after": LONGEST}).status_code == 200
+    # A job cursor is a job id (ids sort by creation): text of the allowed length that is not one is refused
+    # as the samples list refuses a sample id the job does not have.
+    assert first_error(problem(service.get("/v1/jobs", params={"after": LONGEST}), 422))["field"] == "after"
+    assert service.get("/v1/jobs", params={"after": "job_" + "f" * 20}).status_code == 200
 
 
 def test_input_paths_the_file_system_cannot_follow(service, unchanged):

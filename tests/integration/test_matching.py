@@ -97,3 +97,29 @@ def test_a_job_no_live_worker_serves_says_why_it_waits(sessions):
     assert reason is not None and "no live worker serves this job" in reason
     assert "layers [2, 4]" in reason and "host:/a gives layers [6, 8] of /models/llama" in reason
     assert "host:/b gives layers [2, 4] of /models/qwen" in reason
+
+
+def test_a_new_job_keeps_to_the_tightest_limits_of_the_live_workers_that_may_run_it(sessions):
+    """The limits workers register with their heartbeat: a new job's are the tightest among the live
+    workers whose layers fit it (any model: none is pinned yet); a stopped worker's no longer count."""
+    workers = {"host:/a": ([6, 8], 32000, 4096), "host:/b": ([2, 4], 128000, 1024), "host:/c": (None, None, 8192)}
+    epochs = {}
+    for identity, (layers, vocab, longest) in workers.items():
+        with sessions.begin() as s:
+            epochs[identity] = epoch = repo.register_writer(
+                s, identity, lease_s=30, started_at=repo.utcnow(), staged_exists=lambda _: True
+            )
+            server = {"layers": layers, "vocab_size": vocab, "max_prompt_tokens": longest}
+            repo.renew_lease(
+                s, identity, epoch, lease_s=30, state="ready", reason=None, server=server, stats=None,
+                vocab_size=vocab, max_prompt_tokens=longest,
+            )  # fmt: skip
+    with sessions() as s:
+        assert repo.writer_limits(s, None) == (32000, 1024), "every worker may run it"
+        assert repo.writer_limits(s, [2, 4]) == (128000, 1024), "a, whose layers differ, may not"
+        assert repo.writer_limits(s, [6, 8]) == (32000, 4096)
+        assert repo.writer_limits(s, [1]) == (None, 8192), "only c, which does not say its layers"
+    with sessions.begin() as s:
+        repo.report_writer_stopped(s, "host:/b", epochs["host:/b"])
+    with sessions() as s:
+        assert repo.writer_limits(s, [2, 4]) == (None, 8192), "a stopped worker claims nothing"

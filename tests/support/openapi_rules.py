@@ -7,7 +7,10 @@ as generated.
 - a sample is token ids or a conversation, not both, and a loss_mask goes with token ids, one value per id
   (here every sample is made token ids: a conversation's turns must have known roles and text, which the
   document cannot state);
-- a job that regenerates answers takes conversations (here: none regenerates);
+- a job that regenerates answers takes conversations, and an NDJSON body's regenerate_<field> query
+  parameters go with regenerate_max_new_tokens (here: none regenerates);
+- a job's tokenizer lies under the service's tokenizer roots (here: none is named, the test's service has no
+  roots);
 - a sample longer than max_length refuses the request unless length_policy is truncate or skip (here:
   truncate);
 - sample ids are unique within a job (an absent id is the sample's index);
@@ -40,7 +43,9 @@ def follow_rules(context: schemathesis.HookContext, case: schemathesis.Case) -> 
         _key_per_body(case.headers, case.body)
     if case.query:
         case.query.pop("after", None)
-        case.query.pop("regenerate_max_new_tokens", None)
+        for key in [k for k in case.query if k.startswith("regenerate_")]:
+            case.query.pop(key)
+        case.query.pop("tokenizer", None)
         if case.query.get("max_length") is not None and case.query.get("length_policy") in (None, "reject"):
             case.query["length_policy"] = "truncate"
     return case
@@ -62,6 +67,7 @@ def _follow_job_rules(body: dict[str, Any]) -> None:
             for i, sample in enumerate(samples):
                 sample["id"] = str(i)
     body.pop("regenerate", None)
+    body.pop("tokenizer", None)
     if body.get("max_length") is not None and body.get("length_policy") in (None, "reject"):
         body["length_policy"] = "truncate"
     if isinstance(body.get("layers"), list):

@@ -5,11 +5,14 @@ job request, is refused with the field it concerns."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
+from pydantic import ValidationError
 
 from hsx.service.errors import InvalidInput
-from hsx.service.json_body import job_request
+from hsx.service.json_body import MAX_DEPTH, cut_turns, job_request
+from hsx.wire import MAX_TURNS, SampleIn
 
 SAMPLES = [
     {"id": 'a "quoted" [id] {x}', "input_ids": [1, 2, 3]},
@@ -80,3 +83,81 @@ def test_a_mismatched_element_is_left_to_the_sample_parser():
     """The walk does not match bracket kinds; the element it hands on is then not valid JSON."""
     _, elements = job_request(b'{"samples": [{"input_ids": [1}], {"input_ids": [2]}]}')
     assert [t for _, t in elements] == [b'{"input_ids": [1}]', b'{"input_ids": [2]}']
+
+
+TURN = {"role": "user", "content": 'a "turn" with [brackets] and {braces}'}
+
+
+@pytest.mark.parametrize(
+    "sample,kept",
+    [
+        ({"id": "t", "messages": [TURN, TURN, 1, TURN, 2]}, [TURN, TURN, 1]),
+        ({"messages": [[1, 2], TURN]}, [[1, 2]]),
+        ({"conversations": ["x"] * 1000, "source": "kept as it is"}, ["x"]),
+        ({"id": 1, "messages": [TURN] * (MAX_TURNS + 50)}, [TURN] * (MAX_TURNS + 1)),
+    ],
+)
+@pytest.mark.parametrize("dump", [{}, {"separators": (",", ":")}, {"indent": 2}])
+def test_a_conversation_is_cut_where_the_model_stops_reading_it(sample, kept, dump):
+    cut = json.loads(cut_turns(json.dumps(sample, **dump).encode()))
+    key = "messages" if "messages" in sample else "conversations"
+    assert cut == {**sample, key: kept}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps({"id": "t", "messages": [TURN] * MAX_TURNS}).encode(),
+        json.dumps({"input_ids": [1, 2], "note": "messages"}).encode(),
+        b'{"messages": [1, 2',
+        b'["messages", 1]',
+        b'{"messages": "not a list"}',
+    ],
+)
+def test_what_needs_no_cut_or_cannot_be_walked_is_left_as_it_is(text):
+    assert cut_turns(text) == text
+
+
+def test_the_cut_text_gives_the_error_the_whole_list_gives():
+    for sample in ({"messages": [1] * 100_000}, {"messages": [TURN] * 10_000}, {"conversations": [TURN, None]}):
+        errors = _errors(json.dumps(sample).encode())
+        assert errors == _errors(cut_turns(json.dumps(sample).encode())) and len(errors) == 1
+
+
+def _errors(text: bytes) -> list[tuple[tuple, str]]:
+    with pytest.raises(ValidationError) as exc:
+        SampleIn.model_validate_json(text, strict=True)
+    return [(e["loc"], e["msg"]) for e in exc.value.errors()]
+
+
+def test_elements_of_any_nesting_with_brackets_quotes_and_escapes_in_strings():
+    """Random samples whose strings hold brackets, quotes and backslashes: the walk steps over strings
+    by counting quotes between brackets, and must find exactly the elements the JSON has."""
+    rng = random.Random(20261204)
+    chars = ["a", "[", "]", "{", "}", '"', "\\", ",", " ", "é", "\n", ":"]
+
+    def text() -> str:
+        return "".join(rng.choice(chars) for _ in range(rng.randrange(8)))
+
+    def value(depth: int = 0) -> object:
+        r = rng.random()
+        if depth > 4 or r < 0.3:
+            return rng.choice([1, -2.5, True, None, text(), text(), [], {}])
+        if r < 0.65:
+            return [value(depth + 1) for _ in range(rng.randrange(5))]
+        return {text(): value(depth + 1) for _ in range(rng.randrange(5))}
+
+    for _ in range(3000):
+        samples = [value() for _ in range(rng.randrange(1, 4))]
+        dump = rng.choice([{}, {"separators": (",", ":")}, {"indent": 1}, {"ensure_ascii": False}])
+        _, elements = job_request(json.dumps({"samples": samples}, **dump).encode())
+        assert [json.loads(t) for _, t in elements] == samples
+
+
+def test_nesting_deeper_than_the_parser_reads_is_refused_by_the_walk():
+    deep = b'{"samples": [{"input_ids": [1], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}"
+    with pytest.raises(InvalidInput) as exc:
+        list(job_request(deep)[1])
+    assert f"nested more than {MAX_DEPTH} deep" in exc.value.detail
+    _, elements = job_request(json.dumps({"samples": [{"x": [[[[1]]]] * 3, "input_ids": [1]}]}).encode())
+    assert [json.loads(t) for _, t in elements] == [{"x": [[[[1]]]] * 3, "input_ids": [1]}]

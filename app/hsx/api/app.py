@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from hsx.api import dashboard, docs_page, jobs, openapi, problems, query, routing, security, system
-from hsx.api.bodies import LargeBodies
+from hsx.api.bodies import LargeBodies, map_large_blocks
 from hsx.api.responses import NewlineJSONResponse
 from hsx.config import Settings, parse_tokens
 from hsx.db.engine import make_engine, session_factory
@@ -21,6 +21,7 @@ from hsx.service.cancelling import CancelSweeper
 def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     """Build the app on a database migrated to the newest schema (`hsx serve` migrates it first).
     `writer`, when given, is already acquired and is started with the app."""
+    map_large_blocks()
     engine = make_engine(settings.database_url)
     sessions = session_factory(engine)
     cancels = CancelSweeper(sessions, settings.output_root, settings.cancel_batch)

@@ -146,5 +146,20 @@ def _give_memory_back() -> None:
         _MALLOC_TRIM(0)
 
 
+# glibc gives a block of at least this size a mapping of its own, returned to the system when freed.
+MMAP_THRESHOLD = 1024 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def map_large_blocks() -> None:
+    """Fix glibc's threshold for a block's own mapping at MMAP_THRESHOLD. Left to itself, glibc raises
+    it each time such a block is freed (up to 32 MiB), after which a request's body and its copies
+    come from the heap, where a few MB stay behind after every body below --large-body-bytes (any
+    number of which may be taken in at once). Fixed, those blocks go back as they are freed."""
+    if _MALLOPT is not None:
+        _MALLOPT(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 _LIBC = ctypes.util.find_library("c")
 _MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC), "malloc_trim", None) if _LIBC else None  # glibc only
+_MALLOPT = getattr(ctypes.CDLL(_LIBC), "mallopt", None) if _LIBC else None

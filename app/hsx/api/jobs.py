@@ -106,7 +106,8 @@ CREATED_HEADERS = {"headers": {"Location": {"description": "the job's URL", "sch
     "(`input_ids`, optional `loss_mask`) or a conversation (`messages` or ShareGPT `conversations`), which a "
     "writer renders with the model's chat template before extraction. All samples are checked before "
     "anything is stored. With an `Idempotency-Key` header, repeating the same request "
-    "returns the first job; the same key with another body is a 422.",
+    "returns the first job; the same key with another body is a 422. Bodies are UTF-8: another `charset` is a "
+    "415.",
 )
 async def create_job(
     request: Request,
@@ -121,9 +122,7 @@ async def create_job(
     options: OptionsQuery,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobOut:
-    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if media not in ("application/json", "application/x-ndjson"):
-        raise UnsupportedBody(f"send application/json or application/x-ndjson, not {media!r}")
+    media = _media_type(request.headers.get("content-type", "application/json"))
     ndjson = media == "application/x-ndjson"
     async with job_body(request, settings.max_ndjson_bytes if ndjson else settings.max_json_bytes) as body:
         if ndjson:
@@ -149,6 +148,21 @@ async def create_job(
     _wake(writer)
     response.headers["Location"] = request.scope.get("root_path", "") + f"/v1/jobs/{job.id}"
     return job_out(job)
+
+
+def _media_type(content_type: str) -> str:
+    """The body's media type, one of the two a job is created from, in UTF-8: JSON text is UTF-8
+    (RFC 8259), so another charset is refused rather than read as UTF-8."""
+    media, *params = (part.strip() for part in content_type.split(";"))
+    media = media.lower()
+    if media not in ("application/json", "application/x-ndjson"):
+        raise UnsupportedBody(f"send application/json or application/x-ndjson, not {media!r}")
+    for param in params:
+        key, _, value = param.partition("=")
+        charset = value.strip().strip('"').lower()
+        if key.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+            raise UnsupportedBody(f"charset {charset!r} is not supported: send the body in UTF-8 (charset=utf-8)")
+    return media
 
 
 def _layer_list(layers: str | None) -> list[int] | None:
@@ -393,10 +407,10 @@ def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
     summary="Delete a finished job's records, and with delete_files=true its shards and manifest",
     description="Only a finished (`succeeded`, `partial`, `failed` or `cancelled`) job: a 409 while it is `queued`, "
     "`running` or `cancelling`. Without delete_files the job's folder stays in the output root; "
-    "delete_files=true removes it later too, once the records are gone, as long as it holds only what hsx "
-    "writes there (shards, manifest.json, temporary files); a folder holding anything else is a 409 "
-    "(`/problems/foreign-files`, naming them) and is left as it is. A 404 when there are neither records "
-    "nor (with delete_files) a folder.",
+    "delete_files=true removes it, with the records or later, once they are gone, as long as it is a folder "
+    "holding only what hsx writes there (shards, manifest.json, temporary files); a folder holding anything "
+    "else, or a symbolic link in its place, is a 409 (`/problems/foreign-files`, naming them) and nothing is "
+    "deleted, the records included. A 404 when there are neither records nor (with delete_files) a folder.",
 )
 def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:
     service.delete_job(session=session, job_id=job_id, output_root=settings.output_root, delete_files=delete_files)

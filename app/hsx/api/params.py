@@ -12,9 +12,9 @@ from typing import Annotated, Any
 from fastapi import Depends, Path, Query
 from pydantic import ValidationError
 
-from hsx.names import MAX_LENGTH, PATTERN, PlainText
+from hsx.names import JOB_ID_FORM, MAX_LENGTH, PATTERN, PlainText
 from hsx.service.errors import InvalidInput
-from hsx.wire import MAX_NEW_TOKENS, Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
+from hsx.wire import MAX_NEW_TOKENS, Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy, RegenerateOptions
 
 
 def _in_path(description: str) -> Any:
@@ -33,12 +33,25 @@ SampleIdPath = Annotated[
 ]
 ShardName = Annotated[PlainText, _in_path("the shard's file name, as the manifest lists it")]
 
-# `after` cursors: a page's `next_after`, which the next request always accepts back.
-JobCursor = Annotated[PlainText | None, _in_query("job id the previous page ended with")]
+# `after` cursors: a page's `next_after`, which the next request always accepts back; anything a route
+# never hands out is a 422 on both (hsx.service.queries), an empty one the first page.
+JobCursor = Annotated[
+    PlainText | None,
+    Query(
+        max_length=MAX_LENGTH,
+        description="job id the previous page ended with (empty: the first page; anything but a job id is a 422). "
+        "Ids sort by creation: the id of a job deleted since still continues after it",
+        json_schema_extra={"pattern": f"^({JOB_ID_FORM})?$"},
+    ),
+]
 SampleCursor = Annotated[
-    PlainText | None, _in_query("sample id the previous page ended with (one of this job's; else a 422)")
+    PlainText | None,
+    _in_query("sample id the previous page ended with (empty: the first page; one of this job's, else a 422)"),
 ]
 NameQuery = Annotated[PlainText | None, _in_query("job name (NDJSON bodies only)")]
+
+
+_REGENERATE = RegenerateOptions(max_new_tokens=1)  # the defaults the query's regenerate_<field> take
 
 
 def ndjson_options(
@@ -53,28 +66,54 @@ def ndjson_options(
         InvalidPolicy, Query(description="an invalid sample: reject the request, or skip it")
     ] = "reject",
     loss: Annotated[LossPolicy, Query(description="a conversation's loss mask (see JobCreate)")] = "assistant",
-    tokenizer: Annotated[str | None, Query(max_length=4096, description="tokenizer folder for conversations")] = None,
+    tokenizer: Annotated[
+        str | None,
+        Query(
+            max_length=4096,
+            description="tokenizer folder for conversations: under the service's --tokenizer-roots, or the model "
+            "path a worker's server reports (see JobCreate)",
+        ),
+    ] = None,
     regenerate_max_new_tokens: Annotated[
         int | None,
         Query(ge=1, le=MAX_NEW_TOKENS, description="regenerate every assistant turn, at most this many tokens each"),
     ] = None,
-    regenerate_temperature: Annotated[float, Query(ge=0, le=10)] = 0.0,
-    regenerate_top_p: Annotated[float, Query(gt=0, le=1)] = 1.0,
-    regenerate_seed: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
-    regenerate_concurrency: Annotated[int, Query(ge=1, le=256)] = 8,
+    regenerate_temperature: Annotated[
+        float | None,
+        Query(ge=0, le=10, description=f"with regenerate_max_new_tokens; default {_REGENERATE.temperature}"),
+    ] = None,
+    regenerate_top_p: Annotated[
+        float | None, Query(gt=0, le=1, description=f"with regenerate_max_new_tokens; default {_REGENERATE.top_p}")
+    ] = None,
+    regenerate_seed: Annotated[
+        int | None, Query(ge=0, le=2**63 - 1, description="with regenerate_max_new_tokens; default none")
+    ] = None,
+    regenerate_concurrency: Annotated[
+        int | None,
+        Query(ge=1, le=256, description=f"with regenerate_max_new_tokens; default {_REGENERATE.concurrency}"),
+    ] = None,
     encoding: Annotated[Encoding, Query(description="how the shards store hidden states (see JobCreate)")] = "raw",
 ) -> JobOptions:
     """An NDJSON body's job options, from the query string: the fields of JobCreate (NDJSON bodies only;
-    `regenerate` flattened as regenerate_<field>)."""
+    `regenerate` flattened as regenerate_<field>). A regenerate_<field> without regenerate_max_new_tokens
+    is a 422: it would otherwise be dropped without a word."""
+    given = {
+        "temperature": regenerate_temperature,
+        "top_p": regenerate_top_p,
+        "seed": regenerate_seed,
+        "concurrency": regenerate_concurrency,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
     regenerate = None
     if regenerate_max_new_tokens is not None:
-        regenerate = {
-            "max_new_tokens": regenerate_max_new_tokens,
-            "temperature": regenerate_temperature,
-            "top_p": regenerate_top_p,
-            "seed": regenerate_seed,
-            "concurrency": regenerate_concurrency,
-        }
+        regenerate = {"max_new_tokens": regenerate_max_new_tokens, **given}
+    elif given:
+        raise InvalidInput(
+            [
+                {"field": f"query.regenerate_{k}", "message": "goes with regenerate_max_new_tokens, which is not given"}
+                for k in given
+            ]
+        )
     fields = {
         "max_length": max_length,
         "length_policy": length_policy,

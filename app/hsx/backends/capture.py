@@ -86,6 +86,31 @@ def read_model_config(model_path: object) -> dict[str, Any] | None:
     return {**config, **text} if isinstance(text, dict) else config
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a model server accepts: token ids below vocab_size, at most max_prompt_tokens in a prompt
+    (None: the server does not say). Samples are checked against them before anything is sent."""
+
+    vocab_size: int | None = None
+    max_prompt_tokens: int | None = None
+
+    @classmethod
+    def said(cls, vocab_size: Any, max_prompt_tokens: Any) -> ServerLimits:
+        """The limits a server's answers give, each kept only when it is a positive integer."""
+        return cls(_count(vocab_size), _count(max_prompt_tokens))
+
+    @classmethod
+    def of_sglang(cls, model_info: dict[str, Any], server_info: dict[str, Any]) -> ServerLimits:
+        """An SGLang-style server's: its model's vocabulary, and its longest request input
+        (max_req_input_len), else the model's context length."""
+        longest = server_info.get("max_req_input_len") or model_info.get("max_position_embeddings")
+        return cls.said(model_info.get("vocab_size"), longest)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def describe_model(model_info: dict[str, Any], server_info: dict[str, Any]) -> dict[str, Any]:
     """The model as a manifest records it (hsx.manifest.MODEL_KEYS): each field from the server's
     /get_model_info, or where it does not give one (stock SGLang gives model_type but no layer

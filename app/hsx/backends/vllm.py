@@ -48,12 +48,14 @@ LOCK_POLL_S = 0.005
 class VLLMClient(HttpBackend):
     """The part of vLLM's OpenAI-compatible server that extraction uses."""
 
-    def model(self) -> str:
-        """The name requests must give: the one model the server serves."""
+    def model(self) -> tuple[str, int | None]:
+        """The name requests must give (the one model the server serves) and its context length
+        (max_model_len: prompt and generated tokens together; None when the answer does not say)."""
         data = self._request("GET", "/v1/models").json().get("data") or []
         if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
             raise BackendRejected(f"GET /v1/models: no model in the answer: {str(data)[:200]}")
-        return str(data[0]["id"])
+        length = data[0].get("max_model_len")
+        return str(data[0]["id"]), length if isinstance(length, int) and not isinstance(length, bool) else None
 
     def complete(self, input_ids: list[int], request_id: str, model: str) -> dict[str, Any]:
         """The prompt and one new token; the answer names the file holding the prompt's hidden states."""

@@ -211,6 +211,10 @@ class WriterRow(Base):
     epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # samples done, tokens/s: what GET /v1/workers shows
+    # What its model server accepts, as last found ready (None: not said): token ids below vocab_size, at
+    # most max_prompt_tokens a prompt. An API checks submitted samples against these (hsx.service.limits).
+    vocab_size: Mapped[int | None] = mapped_column(Integer)
+    max_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
 
 
 class OutputRootRow(Base):

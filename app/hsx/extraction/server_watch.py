@@ -21,6 +21,7 @@ from hsx.backends.capture import (
     PLUGIN_INFO_FILE,
     Capture,
     CaptureProblem,
+    ServerLimits,
     decide,
     describe_model,
     read_plugin_info,
@@ -69,6 +70,7 @@ class ServerWatch:
         self.extractor: SampleExtractor | None = None
         self.model_info: dict[str, Any] = {}
         self.layers: list[int] | None = None  # the layers the server captures; None: not said
+        self.limits = ServerLimits()  # what the server accepts, as last found ready
         self.capture: Capture | None = None
         self.backoff = Backoff()
         # The weakest proof of identity among the dumps taken from this server (hsx.identity), or
@@ -166,8 +168,8 @@ class ServerWatch:
         source = self.settings.source
         return source == "vllm" or (source == "auto" and read_vllm_info(self.root.path) is not None)
 
-    def _read_sglang(self) -> tuple[Capture, dict[str, Any]]:
-        """The capture and the described model of an SGLang-style server."""
+    def _read_sglang(self) -> tuple[Capture, dict[str, Any], ServerLimits]:
+        """The capture, the described model and the limits of an SGLang-style server."""
         if self._outage:
             # A restarting server answers some endpoints before it is ready; /health says when.
             self.client.health()
@@ -181,15 +183,17 @@ class ServerWatch:
             plugin_info=read_plugin_info(self.root.path),
             dump_root=self.root.path,
         )
-        return capture, describe_model(model_info, server_info)
+        return capture, describe_model(model_info, server_info), ServerLimits.of_sglang(model_info, server_info)
 
-    def _read_vllm(self) -> tuple[Capture, dict[str, Any]]:
-        """The same of a vLLM server, from what hsx's connector wrote into the dump root."""
+    def _read_vllm(self) -> tuple[Capture, dict[str, Any], ServerLimits]:
+        """The same of a vLLM server, from what hsx's connector wrote into the dump root; its prompt may
+        take its context length but the one token each request generates."""
         self.vllm.health()
-        self._vllm_model = self.vllm.model()
-        return vllm_capture(read_vllm_info(self.root.path), self.root.path)
+        self._vllm_model, context = self.vllm.model()
+        capture, described = vllm_capture(read_vllm_info(self.root.path), self.root.path)
+        return capture, described, ServerLimits.said(described.get("vocab_size"), context and context - 1)
 
-    def _take(self, capture: Capture, described: dict[str, Any]) -> ServerVerdict:
+    def _take(self, capture: Capture, described: dict[str, Any], limits: ServerLimits) -> ServerVerdict:
         """Use the capture found: probed first when the server is new or restarted."""
         boot_id = capture.boot_id
         restarted = bool(self._boot_id and boot_id and boot_id != self._boot_id)
@@ -201,6 +205,7 @@ class ServerWatch:
         self.layers = capture.layers
         self.proved(capture.identity, said=True)
         self.model_info = described
+        self.limits = limits
         extractor = self._extractor_for(capture)
         if probe_due:
             try:
@@ -225,6 +230,9 @@ class ServerWatch:
             "layers": self.layers,
             "layers_from": capture.how,
             "identity": self.identity,
+            # What the server accepts; registered with the writer, where an API checks samples against it.
+            "vocab_size": limits.vocab_size,
+            "max_prompt_tokens": limits.max_prompt_tokens,
         }
         return ServerVerdict("ready", server=server)
 

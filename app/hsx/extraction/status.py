@@ -54,6 +54,7 @@ class StatusReport:
         epoch = self.lease.epoch
         if epoch == 0:
             return  # not registered yet: registering reports
+        server = self.status.server or {}
         try:
             self.db.run(
                 lambda s: repo.renew_lease(
@@ -65,6 +66,9 @@ class StatusReport:
                     reason=self.status.reason,
                     server=self.status.server,
                     stats=self.stats(),
+                    # The server's limits, where an API without a writer of its own checks samples.
+                    vocab_size=server.get("vocab_size"),
+                    max_prompt_tokens=server.get("max_prompt_tokens"),
                 )
             )
         except repo.LeaseLost as exc:

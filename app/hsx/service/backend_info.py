@@ -1,11 +1,24 @@
-"""What the model server accepts, for validating submitted samples (cached, best effort)."""
+"""What the model servers accept, for validating submitted samples: the server at --backend-url, asked
+directly (cached, best effort), and each writer's server, as the writer registered it in the database.
+
+The limits a new job's samples keep to are the tightest of all that are known: the live writers that may
+run the job (those whose server gives its `layers`, when it asks for some; a new job is not yet tied to
+a model, so any of them may take its first sample), and the --backend-url server when it answers. So an
+API without a writer of its own (`hsx serve --no-writer`) refuses what the workers' servers would refuse,
+as one with a writer does.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
+from sqlalchemy.orm import Session, sessionmaker
+
+from hsx.backends.capture import ServerLimits
 from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
+from hsx.db import repository as repo
 from hsx.service.intake import Limits
 
 TTL_S = 30.0
@@ -32,11 +45,11 @@ class BackendInfo:
             try:
                 model = self._client.model_info()
                 server = self._client.server_info()
-                max_tokens = server.get("max_req_input_len") or model.get("max_position_embeddings")
+                said = ServerLimits.of_sglang(model, server)
                 dump = server.get("hs_dump") or {}
                 self._limits = Limits(
-                    vocab_size=model.get("vocab_size"),
-                    max_tokens=max_tokens,
+                    vocab_size=said.vocab_size,
+                    max_tokens=said.max_prompt_tokens,
                     layers=dump.get("layers"),
                     hidden_size=model.get("hidden_size"),
                     dtype=dump.get("dtype") or model.get("dtype"),
@@ -46,3 +59,15 @@ class BackendInfo:
                 self._limits = Limits()
                 self._expires = time.monotonic() + FAILURE_TTL_S
             return self._limits
+
+
+def job_limits(backend: BackendInfo, sessions: sessionmaker[Session], layers: list[int] | None) -> Limits:
+    """What a new job asking for `layers` checks its samples against (see the module's docstring)."""
+    server = backend.limits()
+    with sessions() as session:
+        vocab, longest = repo.writer_limits(session, layers)
+    return replace(server, vocab_size=_least(server.vocab_size, vocab), max_tokens=_least(server.max_tokens, longest))
+
+
+def _least(*values: int | None) -> int | None:
+    return min((v for v in values if v is not None), default=None)

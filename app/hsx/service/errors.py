@@ -92,14 +92,16 @@ class InvalidTransition(ServiceError):
 
 
 class ForeignFiles(ServiceError):
-    """A deleted job's folder holds files hsx did not write there: it is left for a person to look at."""
+    """A job's folder holds files hsx did not write there, or is not a folder hsx made (`why`): it is
+    left for a person to look at, and the job's records, when it has any, stay too."""
 
-    def __init__(self, folder: str, names: list[str]):
+    def __init__(self, folder: str, names: list[str], why: str | None = None):
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        what = why or f"holds what hsx does not write there ({shown})"
         super().__init__(
             409,
-            f"the folder {folder} under the output root, of a deleted job, holds what hsx does not write there "
-            f"({shown}); nothing was removed: look at it and remove it by hand",
+            f"the job folder {folder} under the output root {what}; nothing was removed: look at it and remove "
+            "it by hand",
             type_="/problems/foreign-files",
             foreign_files=names,
         )

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import ValidationError
@@ -29,11 +29,12 @@ from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from hsx.names import shown
 from hsx.service.errors import FieldError, InsufficientStorage, InvalidInput, OutsideInputRoot, Where
+from hsx.service.json_body import cut_turns
 from hsx.service.lines import LineSplitter, LineTooLongError
 from hsx.service.spool import SampleSpool
 from hsx.states import SampleState
 from hsx.storage.encoding import stored_row_bytes
-from hsx.wire import MAX_TOKEN_ID, NO_LOSS_TOKENS, JobOptions, SampleIn, parse_body
+from hsx.wire import MAX_TOKEN_ID, MAX_TURNS, NO_LOSS_TOKENS, JobOptions, SampleIn, parse_body
 
 if TYPE_CHECKING:
     from _hashlib import HASH
@@ -271,9 +272,10 @@ class DiskCheck:
 def parse_sample(index: int, text: bytes | bytearray, where: Where) -> tuple[int, SampleIn | list[FieldError], Where]:
     """One sample's JSON text (a JSONL line, or one element of an inline `samples` array) as a sample,
     or as the errors that say why it is not one. The text is parsed and checked in one pass by
-    pydantic's JSON parser (no intermediate Python dict)."""
+    pydantic's JSON parser, once a conversation too long or mistyped to be one is cut short
+    (json_body.cut_turns): one error, whatever the length of the list."""
     try:
-        return index, parse_body(SampleIn, text, strict=True), where
+        return index, parse_body(SampleIn, cut_turns(text), strict=True), where
     except ValidationError as exc:
         return index, _field_errors(index, where, exc), {}
 
@@ -316,7 +318,7 @@ def ingest_file(ingest: Ingest, path: Path, max_line: int, relative: str) -> Non
     """A JSONL or Parquet file under the input root (`relative`, as the request named it), read a block
     at a time."""
     if path.suffix.lower() == ".parquet":
-        ingest_parquet(ingest, path, relative)
+        ingest_parquet(ingest, path, relative, max_line)
         return
     reader = JsonlReader(ingest, max_line)
     try:
@@ -333,13 +335,24 @@ def ingest_file(ingest: Ingest, path: Path, max_line: int, relative: str) -> Non
         raise InvalidInput([{"line": exc.lineno, "field": "input_path", "message": message}]) from None
 
 
-PARQUET_ROWS = 1024  # rows read at a time: a file of any size holds one batch in memory
+PARQUET_ROWS = 1024  # rows read at a time, at most
+PARQUET_BATCH_BYTES = 4 * 1024 * 1024  # and about this much of their data, as the file's metadata counts it
+# Bytes a value of each Parquet type takes once read, at least (a string: its offset).
+_VALUE_BYTES = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
 
 
-def ingest_parquet(ingest: Ingest, path: Path, relative: str) -> None:
+def ingest_parquet(ingest: Ingest, path: Path, relative: str, max_row: int) -> None:
     """A Parquet file, one sample a row (columns as a JSONL line's keys; null is absent), streamed a
-    batch of rows at a time. Needs pyarrow (hsx-server[parquet])."""
+    batch of rows at a time. Needs pyarrow (hsx-server[parquet]).
+
+    A compressed file says little of what its rows hold (a row of ten million equal ids is a few
+    hundred bytes), so memory is bounded on the rows' data: the metadata's count of values sizes each
+    batch (about PARQUET_BATCH_BYTES) and refuses a row group whose rows hold more than `max_row` bytes
+    (--max-sample-bytes, as for a JSONL line) each before it is read; a row read over that limit is
+    refused before it becomes Python objects; and a conversation's turns past MAX_TURNS are cut in
+    Arrow, as a JSON text's are."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         message = "reading Parquet needs pyarrow on the service: pip install 'hsx-server[parquet]'"
@@ -349,12 +362,75 @@ def ingest_parquet(ingest: Ingest, path: Path, relative: str) -> None:
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise _unreadable(relative, f"not a Parquet file ({exc})") from None
     index = 0
-    with source:
-        for batch in source.iter_batches(batch_size=PARQUET_ROWS):
-            for record in batch.to_pylist():
-                row = {k: v for k, v in record.items() if v is not None}
-                ingest.feed(*parse_record(index, row, {"row": index}))
-                index += 1
+    try:
+        with source:
+            for batch in source.iter_batches(batch_size=_batch_rows(source.metadata, max_row)):
+                over = _first_row_over(batch, max_row)
+                if over is not None:
+                    raise _row_too_large(index + over, 1, max_row)
+                for record in _turns_sliced(batch).to_pylist():
+                    row = {k: v for k, v in record.items() if v is not None}
+                    ingest.feed(*parse_record(index, row, {"row": index}))
+                    index += 1
+    finally:
+        pa.default_memory_pool().release_unused()  # Arrow's allocator keeps what it freed otherwise
+
+
+def _batch_rows(metadata: Any, max_row: int) -> int:
+    """Rows per batch: PARQUET_ROWS, fewer when the row groups' rows hold more than PARQUET_BATCH_BYTES
+    / PARQUET_ROWS bytes on average. A row group whose rows hold more than `max_row` on average holds
+    a row over the limit: refused unread."""
+    widest, first = 0.0, 0
+    for group in map(metadata.row_group, range(metadata.num_row_groups)):
+        if group.num_rows:
+            per_row = _read_bytes(group) / group.num_rows
+            if per_row > max_row:
+                raise _row_too_large(first, group.num_rows, max_row)
+            widest = max(widest, per_row)
+        first += group.num_rows
+    return max(1, min(PARQUET_ROWS, int(PARQUET_BATCH_BYTES // max(widest, 1.0))))
+
+
+def _read_bytes(group: Any) -> int:
+    """The least a row group's data takes once read: every leaf value's bytes (the metadata counts the
+    values of a list column one by one, however well they compress), a string's offset at least."""
+    columns = map(group.column, range(group.num_columns))
+    return sum(c.num_values * _VALUE_BYTES.get(c.physical_type, 4) for c in columns)
+
+
+def _row_too_large(first: int, rows: int, limit: int) -> InvalidInput:
+    which = f"row {first} holds" if rows == 1 else f"rows {first} to {first + rows - 1} hold, on average,"
+    message = f"{which} more than the limit of {limit} bytes (--max-sample-bytes)"
+    return InvalidInput([{"row": first, "field": "input_path", "message": message}])
+
+
+def _first_row_over(batch: Any, limit: int) -> int | None:
+    """The first row of the batch whose data is over `limit` bytes, or None: halves are measured
+    only while they are over it, so a batch of small rows costs one measure."""
+    if batch.nbytes <= limit:
+        return None
+    if batch.num_rows <= 1:
+        return 0
+    half = batch.num_rows // 2
+    first = _first_row_over(batch.slice(0, half), limit)
+    if first is not None:
+        return first
+    rest = _first_row_over(batch.slice(half), limit)
+    return None if rest is None else half + rest
+
+
+def _turns_sliced(batch: Any) -> Any:
+    """The batch with each list of turns (`messages`, `conversations`) cut after MAX_TURNS + 1: the
+    sample is refused for its length, and the rest would only become Python objects."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for key in ("messages", "conversations"):
+        at = batch.schema.get_field_index(key)
+        kind = batch.schema.field(at).type if at >= 0 else None
+        if kind is not None and (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            batch = batch.set_column(at, key, pc.list_slice(batch.column(at), 0, MAX_TURNS + 1))
+    return batch
 
 
 def parse_record(index: int, record: dict[str, object], where: Where) -> tuple[int, SampleIn | list[FieldError], Where]:

@@ -15,22 +15,23 @@ from anyio.to_thread import run_sync
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from hsx.config import Settings
+from hsx.config import Settings, tokenizer_refusal
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow, ShardRow
 from hsx.extraction.finishing import finish_job
 from hsx.manifest import MANIFEST_NAME, Manifest, build_manifest, job_dir
 from hsx.names import shown
 from hsx.service import intake, json_body
-from hsx.service.backend_info import BackendInfo
+from hsx.service.backend_info import BackendInfo, job_limits
 from hsx.service.errors import (
     ContentTooLarge,
     IdempotencyKeyReused,
+    InvalidInput,
     InvalidTransition,
     NotFound,
     ShardsMissing,
 )
-from hsx.service.leftovers import remove_leftover_folder
+from hsx.service.leftovers import job_folder, remove_leftover_folder
 from hsx.service.lines import LineTooLongError
 from hsx.states import TERMINAL_JOB_STATES, JobState
 from hsx.verify import verify_job as verify_folder
@@ -73,8 +74,9 @@ def create_job(
         existing = _job_with_key(sessions, idempotency_key)
         if existing is not None:
             return _replayed(existing, digest.hexdigest())
-    limits = backend.limits()
     options = JobOptions.model_validate(request.model_dump(include=set(JobOptions.model_fields)))
+    check_tokenizer(sessions, settings, options)
+    limits = job_limits(backend, sessions, request.layers)
     ingest = intake.Ingest(limits, options)
     try:
         if request.input_path is not None:
@@ -126,7 +128,8 @@ async def create_job_from_ndjson(
             async for chunk in body:  # the whole body, for its digest
                 digest.update(chunk)
             return _replayed(existing, digest.hexdigest())
-    limits = await run_sync(backend.limits)
+    await run_sync(check_tokenizer, sessions, settings, options)
+    limits = await run_sync(job_limits, backend, sessions, layers)
     ingest = intake.Ingest(limits, options)
     try:
         reader = intake.JsonlReader(ingest, settings.max_sample_bytes, digest)
@@ -163,6 +166,18 @@ async def create_job_from_ndjson(
         )
     finally:
         ingest.close()
+
+
+def check_tokenizer(sessions: sessionmaker[Session], settings: Settings, options: JobOptions) -> None:
+    """A job's `tokenizer`, when it names one, must be a folder under the tokenizer roots or the model
+    path a live writer's server reports (hsx.config.tokenizer_refusal); InvalidInput otherwise."""
+    if options.tokenizer is None:
+        return
+    with sessions() as session:
+        model_paths = repo.reported_model_paths(session)
+    why = tokenizer_refusal(options.tokenizer, settings.tokenizer_root_list(), model_paths)
+    if why is not None:
+        raise InvalidInput([{"field": "tokenizer", "message": why}])
 
 
 def _store(
@@ -238,10 +253,11 @@ def retry_job(*, session: Session, job_id: str) -> JobRow:
 
 
 def delete_job(*, session: Session, job_id: str, output_root: Path, delete_files: bool) -> None:
-    """Delete a finished job's records and, with delete_files, its folder of shards and manifest. With
-    delete_files, a job whose records were deleted before (without its files) has its folder removed
-    when that is plainly hsx's (hsx.service.leftovers); NotFound when there are neither records nor
-    folder."""
+    """Delete a finished job's records and, with delete_files, its folder of shards and manifest, when
+    that is plainly hsx's (hsx.service.leftovers): else ForeignFiles, and nothing is deleted, the
+    records included. With delete_files, a job whose records were deleted before (without its files)
+    has its folder removed under the same rule; NotFound when there are neither records nor folder."""
+    folder = None
     with session.begin():
         try:
             job: JobRow | None = get_job(session=session, job_id=job_id)
@@ -251,14 +267,16 @@ def delete_job(*, session: Session, job_id: str, output_root: Path, delete_files
         if job is not None and deleted is False:
             how = "wait until it is cancelled" if job.state == JobState.CANCELLING else "cancel it or let it finish"
             raise InvalidTransition(f"job is {job.state}; {how} first")
+        if deleted and delete_files:
+            folder = job_folder(output_root, job_id)  # ForeignFiles here rolls the records' deletion back
     if deleted is None:
         # No records (never, or deleted before, perhaps by a request that raced this one): only a folder
         # they left can be deleted.
         if not (delete_files and remove_leftover_folder(output_root, job_id)):
             raise NotFound(f"job {shown(job_id)}")
         return
-    if delete_files:
-        shutil.rmtree(job_dir(output_root, job_id), ignore_errors=True)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def shard_file(*, session: Session, job_id: str, name: str, output_root: Path) -> tuple[ShardRow, Path, os.stat_result]:

@@ -1,6 +1,6 @@
-"""The folder a job leaves under the output root once its records are deleted without its files: found
-by the job's id alone and removed on request, only when it is plainly hsx's (a job folder's name, and
-nothing in it but what the writer puts there)."""
+"""A job's folder under the output root, removed on request only when it is plainly hsx's (a folder, not a
+link, of a job folder's name, with nothing in it but what the writer puts there): with the job's records,
+or once they are deleted without its files, found by the job's id alone."""
 
 from __future__ import annotations
 
@@ -20,25 +20,45 @@ _OURS = re.compile(r"shard-\d{6}\.safetensors|manifest\.json|\.[\w.-]+\.tmp-[\d-
 
 
 def remove_leftover_folder(output_root: Path, job_id: str) -> bool:
-    """Remove the folder of the job `job_id`, whose records are gone; False when there is none. Refused
-    (ForeignFiles, nothing removed) when the folder holds anything else than a job folder holds, or a
-    manifest of another job: a folder a person put there, or one hsx did not write."""
+    """Remove the folder of the job `job_id`, whose records are gone; False when there is none (nor a
+    job folder's name: a link or a file of that name is not a job folder). Refused (ForeignFiles,
+    nothing removed) as job_folder refuses."""
     if not repo.is_job_id(job_id):
         return False
     folder = job_dir(output_root, job_id)
     try:
-        if not stat.S_ISDIR(folder.lstat().st_mode):  # a link or a file of that name is not a job folder
+        if not stat.S_ISDIR(folder.lstat().st_mode):
             return False
-        entries = list(folder.iterdir())
     except FileNotFoundError:
         return False
+    checked = job_folder(output_root, job_id)
+    if checked is None:
+        return False
+    shutil.rmtree(checked)
+    return True
+
+
+def job_folder(output_root: Path, job_id: str) -> Path | None:
+    """The job's folder, checked before its files are deleted; None when there is none. Refused
+    (ForeignFiles) when it is not a folder hsx made (a symbolic link, which hsx never makes, or a file),
+    when it holds anything else than a job folder holds, or a manifest of another job: a folder a
+    person put there, or one hsx did not write, is left for that person to look at."""
+    folder = job_dir(output_root, job_id)
+    try:
+        mode = folder.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            raise ForeignFiles(folder.name, [folder.name], why="is a symbolic link, which hsx never makes")
+        if not stat.S_ISDIR(mode):
+            raise ForeignFiles(folder.name, [folder.name], why="is not a folder")
+        entries = list(folder.iterdir())
+    except FileNotFoundError:
+        return None
     foreign = sorted(p.name for p in entries if not (_OURS.fullmatch(p.name) and _plain_file(p)))
     if not foreign and not _manifest_is_of(folder / MANIFEST_NAME, job_id):
         foreign = [MANIFEST_NAME]
     if foreign:
-        raise ForeignFiles(job_id, foreign)
-    shutil.rmtree(folder)
-    return True
+        raise ForeignFiles(folder.name, foreign)
+    return folder
 
 
 def _plain_file(path: Path) -> bool:

@@ -7,6 +7,7 @@ from sqlalchemy.orm import Session
 
 from hsx.db import repository as repo
 from hsx.db.models import JobRow
+from hsx.names import shown
 from hsx.service.errors import InvalidInput
 from hsx.service.jobs import get_job, get_sample
 from hsx.service.views import job_out, sample_out, shard_out, throughput_out
@@ -14,8 +15,13 @@ from hsx.wire import JobOut, JobPage, SampleOut, SamplePage, ShardList, Throughp
 
 
 def job_page(*, session: Session, state: str | None, after: str | None, limit: int) -> JobPage:
-    """Jobs newest first, `limit` of them after the job `after`, each with why it waits."""
-    rows = repo.list_jobs(session, state=state, after=after, limit=limit + 1)
+    """Jobs newest first, `limit` of them after the job `after` (an empty `after` is the first page), each
+    with why it waits. As a samples page's, an `after` that is no cursor this route hands out is
+    InvalidInput: here anything but a job id. A job id is a place in the order (ids sort by creation),
+    so the id of a job deleted since still continues where its page ended."""
+    if after and not repo.is_job_id(after):
+        raise InvalidInput([{"field": "after", "message": f"{shown(after)} is not a job id to continue after"}])
+    rows = repo.list_jobs(session, state=state, after=after or None, limit=limit + 1)
     page = rows[:limit]
     waiting = repo.waiting(session)
     attempts = repo.attempt_counts(session, [j.id for j in page])
@@ -57,7 +63,8 @@ def sample_page(*, session: Session, job_id: str, state: str | None, after: str 
     if after:
         anchor = repo.get_sample(session, job_id, after)
         if anchor is None:
-            raise InvalidInput([{"field": "after", "message": f"no sample {after!r} in this job to continue after"}])
+            message = f"no sample {shown(after)} in this job to continue after"
+            raise InvalidInput([{"field": "after", "message": message}])
         after_idx = anchor.idx
     rows = repo.list_samples(session, job_id, state=state, after_idx=after_idx, limit=limit + 1)
     page = rows[:limit]

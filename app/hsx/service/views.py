@@ -205,6 +205,8 @@ def worker_out(w: WriterRow) -> WorkerOut:
         model_key=server.get("model_key"),
         layers=server.get("layers"),
         source=server.get("source"),
+        vocab_size=w.vocab_size,
+        max_prompt_tokens=w.max_prompt_tokens,
         started_at=utc(w.started_at),
         heartbeat_at=utc(w.heartbeat_at),
         lease_expires_at=utc(w.lease_expires_at),

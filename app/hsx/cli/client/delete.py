@@ -14,8 +14,10 @@ NAME = "delete"
 HELP = "delete a finished job (and with --files its shards and manifest)"
 DESCRIPTION = f"""Delete a finished (succeeded, partial, failed or cancelled) job's records from the service's database.
 With --files the service also deletes the job's folder (shards and manifest.json) from its output root; without
-it the folder stays, and a later `hsx delete JOB --files` removes it, also once the records are gone (as long as
-the folder holds only what hsx writes there). A queued or running job must be cancelled first (exit 2).
+it the folder stays, and a later `hsx delete JOB --files` removes it, also once the records are gone. The folder
+is deleted only when it holds nothing but what hsx writes there: a folder holding anything else, or a symbolic
+link in its place, is refused (exit 2) and nothing is deleted, the records included. A queued or running job
+must be cancelled first (exit 2).
 --json prints {{"deleted": JOB, "files": true|false}}.
 {ENV_NOTE}
 

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, add_quiet, follow, outcome, print_json, run
 from hsx.cli.progress import PROGRESS_NOTE, progress
 from hsx.layers import layers_arg
-from hsx.wire import Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy
+from hsx.wire import Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy, RegenerateOptions
 
 if TYPE_CHECKING:
     from hsx.sdk import HsxClient, Job
@@ -25,9 +25,10 @@ DESCRIPTION = f"""Create an extraction job.
 FILE is a local JSONL file with one sample per line: token ids, {{"id": ..., "input_ids": [...],
 "loss_mask": [...]}} (id and loss_mask optional), or a conversation, {{"id": ..., "messages": [{{"role": ...,
 "content": ...}}, ...]}} or ShareGPT's {{"id": ..., "conversations": [{{"from": ..., "value": ...}}, ...]}}.
-Conversations are rendered with the model's own chat template (--tokenizer, default: the model path the
-server reports), with a loss mask on what the assistant says (--loss), before extraction; with
---regenerate N every assistant turn is first generated again by the model (at most N tokens).
+Conversations are rendered with the model's own chat template (--tokenizer, a folder under the service's
+--tokenizer-roots; default: the model path the server reports), with a loss mask on what the assistant
+says (--loss), before extraction; with --regenerate N every assistant turn is first generated again by
+the model (at most N tokens).
 FILE is streamed to the service as application/x-ndjson, never read whole; "-" reads standard input.
 With --input-path the service reads a JSONL or Parquet file under its own input root instead.
 Every sample is checked before anything is stored: a refused job lists each bad line on stderr and
@@ -72,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # The flags' choices and defaults are the API's own (hsx.wire), never a second list.
 _DEFAULTS = JobOptions.model_validate({})
+_REGENERATE = RegenerateOptions(max_new_tokens=1)  # what a regeneration takes for the flags not given
+_SAMPLING = {"temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,14 +102,17 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     group.add_argument(
-        "--tokenizer", metavar="DIR", help="tokenizer folder on the writers' hosts (default: the model's)"
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer folder on the writers' hosts: an absolute path under the service's --tokenizer-roots "
+        "(default: the model path the server reports)",
     )
     group.add_argument("--regenerate", type=int, metavar="N", help="regenerate every assistant turn, at most N tokens")
     group.add_argument(
-        "--temperature", type=float, default=0.0, help="with --regenerate (default: %(default)s, greedy)"
+        "--temperature", type=float, help=f"with --regenerate (default: {_REGENERATE.temperature}, greedy)"
     )
-    group.add_argument("--top-p", type=float, default=1.0, help="with --regenerate (default: %(default)s)")
-    group.add_argument("--seed", type=int, help="with --regenerate: the sampling seed")
+    group.add_argument("--top-p", type=float, help=f"with --regenerate (default: {_REGENERATE.top_p})")
+    group.add_argument("--seed", type=int, help="with --regenerate: the sampling seed (default: none)")
     parser.add_argument(
         "--encoding",
         choices=get_args(Encoding),
@@ -117,6 +123,8 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def job_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options the flags give; a sampling flag without --regenerate is a usage error (it would
+    otherwise be dropped without a word)."""
     options: dict[str, Any] = {
         "max_length": args.max_length,
         "length_policy": args.length_policy,
@@ -125,13 +133,11 @@ def job_options(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer": args.tokenizer,
         "encoding": args.encoding,
     }
+    sampling = {k: getattr(args, k) for k in _SAMPLING if getattr(args, k) is not None}
     if args.regenerate is not None:
-        options["regenerate"] = {
-            "max_new_tokens": args.regenerate,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "seed": args.seed,
-        }
+        options["regenerate"] = {"max_new_tokens": args.regenerate, **sampling}
+    elif sampling:
+        raise UsageError(f"{', '.join(_SAMPLING[k] for k in sampling)}: only with --regenerate N")
     return options
 
 

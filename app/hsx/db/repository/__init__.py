@@ -86,7 +86,9 @@ from hsx.db.repository.writers import (
     register_writer,
     renew_lease,
     report_writer_stopped,
+    reported_model_paths,
     waiting,
+    writer_limits,
 )
 
 __all__ = [
@@ -145,6 +147,7 @@ __all__ = [
     "release_preparing",
     "renew_lease",
     "report_writer_stopped",
+    "reported_model_paths",
     "requeue_staged",
     "requeued_samples",
     "reserve_shard_number",
@@ -157,4 +160,5 @@ __all__ = [
     "store_prepared",
     "utcnow",
     "waiting",
+    "writer_limits",
 ]

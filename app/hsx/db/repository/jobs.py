@@ -17,6 +17,7 @@ from hsx.db.models import AttemptCountRow, AttemptRow, JobRow, SampleRow, ShardR
 from hsx.db.repository._base import _rowcount, utcnow
 from hsx.db.repository.transitions import ALL, _lock_job, _transition
 from hsx.matching import Serves, layers_key
+from hsx.names import JOB_ID_FORM
 from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
 
 if TYPE_CHECKING:
@@ -24,11 +25,11 @@ if TYPE_CHECKING:
 
 
 def new_job_id() -> str:
-    # Time-ordered so that ids sort by creation: cursor pagination and claim order rely on it.
+    # Time-ordered so that ids sort by creation: cursor pagination and claim order rely on it (JOB_ID_FORM).
     return f"job_{int(time.time() * 1000):012x}{secrets.token_hex(4)}"
 
 
-_JOB_ID = re.compile(r"job_[0-9a-f]{20}")
+_JOB_ID = re.compile(JOB_ID_FORM)
 
 
 def is_job_id(text: str) -> bool:

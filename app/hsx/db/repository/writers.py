@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from hsx.db.models import WriterRow
 from hsx.db.repository._base import _dialect, _now_param, _rowcount, _writers, utcnow
 from hsx.db.repository.samples import recover_writer
-from hsx.matching import Waiting
+from hsx.matching import Waiting, may_take_new
 
 WRITER_STALE_S = 30.0
 
@@ -92,8 +92,11 @@ def renew_lease(
     reason: str | None,
     server: dict[str, Any] | None,
     stats: dict[str, Any] | None,
+    vocab_size: int | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> None:
-    """The heartbeat: extend the lease and report the writer's status; LeaseLost when it is gone."""
+    """The heartbeat: extend the lease and report the writer's status, with what its model server
+    accepts (writer_limits reads them); LeaseLost when it is gone."""
     renewed = session.execute(
         update(WriterRow)
         .where(WriterRow.identity == identity, WriterRow.epoch == epoch, WriterRow.lease_expires_at > utcnow())
@@ -102,6 +105,8 @@ def renew_lease(
             reason=reason,
             server=server,
             stats=stats,
+            vocab_size=vocab_size,
+            max_prompt_tokens=max_prompt_tokens,
             heartbeat_at=utcnow(),
             lease_expires_at=_lease_until(lease_s),
         )
@@ -148,6 +153,27 @@ def live_writers(session: Session) -> list[WriterRow]:
     return list(
         session.execute(select(WriterRow).where(WriterRow.heartbeat_at >= since).order_by(WriterRow.identity)).scalars()
     )
+
+
+# Writers that report limits but will claim nothing: stopped on purpose, or taken over.
+_GONE = ("stopped", "lost")
+
+
+def writer_limits(session: Session, layers: list[int] | None) -> tuple[int | None, int | None]:
+    """(vocabulary size, longest prompt) a new job's samples must keep to: the tightest among the live
+    writers that may run it (those whose server gives its `layers`, when it asks for some), each as
+    its server said at its last heartbeat; None where none of them says. A job is not yet pinned to a
+    model when it is created: any of them may claim its first sample."""
+    fitting = [w for w in live_writers(session) if w.state not in _GONE and may_take_new(w, layers)]
+    vocab = min((w.vocab_size for w in fitting if w.vocab_size is not None), default=None)
+    longest = min((w.max_prompt_tokens for w in fitting if w.max_prompt_tokens is not None), default=None)
+    return vocab, longest
+
+
+def reported_model_paths(session: Session) -> set[str]:
+    """The model paths the live writers' servers report (a job may name one as its tokenizer)."""
+    paths = ((w.server or {}).get("model_path") for w in live_writers(session) if w.state not in _GONE)
+    return {p for p in paths if isinstance(p, str)}
 
 
 def waiting(session: Session) -> Waiting:
