@@ -180,10 +180,6 @@ class Writer:
             except repo.LeaseLost as exc:
                 self.lease.lost(exc.epoch, exc)
 
-    def prepare_step(self) -> bool:
-        """One preparer turn (tests drive it directly); whether a batch was prepared."""
-        return self._preparer.step()
-
     def _stats(self) -> dict[str, float]:
         return {
             "samples_staged": self.metrics.samples_staged,
