@@ -27,6 +27,7 @@ from pydantic_core import core_schema
 
 from hsx.layers import MAX_LAYER_INDEX, MAX_LAYERS, check_layers
 from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
+from hsx.sources import Source
 from hsx.states import JobState, SampleState
 
 
@@ -450,7 +451,9 @@ class WorkerOut(BaseModel):
         "go only to workers of the model and layers its first stored sample came from",
     )
     layers: list[int] | None = Field(description="the layers its server gives")
-    source: str | None = Field(description="dumps or response: how it takes hidden states from its server")
+    source: Source | None = Field(
+        description=f"the engine it takes hidden states with ({', '.join(Source)}: hsx serve --source)"
+    )
     started_at: datetime
     heartbeat_at: datetime = Field(description="its last heartbeat")
     lease_expires_at: datetime | None = Field(description="when its samples go back to the queue unless it renews")
