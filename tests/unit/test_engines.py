@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,10 @@ def test_the_scan_sees_a_branch_on_an_engine():
     for code, what in cases.items():
         assert any(what in hit for hit in engine_branches(loop, code)), code
     assert not engine_branches(loop, "if engine.concurrent:\n    pass\n")
+
+
+def test_the_settings_reference_offers_every_engine():
+    """docs/operations.md's `--source` row names every choice the registry gives."""
+    operations = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    row = next(line for line in operations.splitlines() if line.startswith("| `--source`"))
+    assert {f"`{s.value}`" for s in Source} | {f"`{AUTO}`"} <= set(re.findall(r"`[^`]+`", row))
