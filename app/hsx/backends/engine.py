@@ -91,7 +91,7 @@ class Capture:
     identity: Identity | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Server:
     """The model server a writer (or the API) talks to: its URL and its dump root, where validated dumps
     wait for their shard, how long a dump is waited for, how the operator says dumps are named; and the
@@ -120,7 +120,7 @@ class Server:
             self._clients.clear()
 
 
-@dataclass
+@dataclass(eq=False)
 class Look:
     """One look at the server: whether any engine that finds its server may take it (auto), whether the
     server was away before it, and what the engines read from the server so far (two engines of one
