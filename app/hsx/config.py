@@ -10,7 +10,8 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-SOURCES = ("auto", "dumps", "response", "vllm")
+from hsx.sources import AUTO, Source, SourceChoice, source_help
+
 TOKEN_ROLES = ("write", "read")
 
 
@@ -60,7 +61,7 @@ def default_flushers() -> int:
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HSX_", extra="ignore")
 
-    backend_url: str = Field("http://127.0.0.1:30000", description="base URL of the SGLang-style model server")
+    backend_url: str = Field("http://127.0.0.1:30000", description="base URL of the model server (SGLang or vLLM)")
     dump_root: Path = Field(
         Path("/dev/shm/sglang_hs"),
         description="the directory the model server writes dumps to; this service must be its only reader",
@@ -125,14 +126,7 @@ class Settings(BaseSettings):
         "own); a conversation that takes longer fails with reason prepare_timeout, and a template that takes "
         "longer to load fails its job",
     )
-    source: str = Field(
-        "auto",
-        description="where hidden states come from: dumps (files in the dump root, from the hsx-sglang plugin or a "
-        "server that writes them), response (a stock SGLang's return_hidden_states answers, no plugin) or auto "
-        "(dumps when the server or an hsx-plugin.json in the dump root describes them, else response when the "
-        "server returns every prompt row, else dumps); vllm (the files vLLM's extract_hidden_states writes through "
-        "hsx's connector, deploy/vllm; auto takes it when an hsx-vllm.json is in the dump root)",
-    )
+    source: SourceChoice = Field(AUTO, description=source_help())
     name_by: str = Field("auto", description="dump naming: auto (ask the server), counter or rid")
     max_json_bytes: int = Field(64 * MiB, description="largest application/json request body")
     max_ndjson_bytes: int = Field(16 * 1024 * MiB, description="largest streamed application/x-ndjson job body")
@@ -209,11 +203,12 @@ class Settings(BaseSettings):
         "the API only, and another process must run the writer",
     )
 
-    @field_validator("source")
+    @field_validator("source", mode="before")
     @classmethod
-    def _known_source(cls, value: str) -> str:
-        if value not in SOURCES:
-            raise ValueError(f"must be one of {', '.join(SOURCES)}")
+    def _known_source(cls, value: object) -> object:
+        choices = (AUTO, *Source)
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
         return value
 
     @field_validator("tokenizer_roots")

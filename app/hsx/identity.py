@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hsx.states import _StrEnum
+from hsx.states import StrEnum
 
 
-class Identity(_StrEnum):
+class Identity(StrEnum):
     COUNT = "count"
     RID = "rid"
     RESPONSE = "response"

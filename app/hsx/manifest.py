@@ -60,7 +60,7 @@ def shard_layout(encoding: str) -> dict[str, str]:
 
 
 # What `model` records, each null where unknown: the server's model_path and what its /get_model_info
-# or the checkpoint's config.json say (hsx.backends.capture.describe_model).
+# or the checkpoint's config.json say (hsx.backends.model.describe_model).
 MODEL_KEYS = ("model_path", "model_type", "num_hidden_layers", "hidden_size", "rms_norm_eps", "vocab_size")
 
 # Strict: a count that arrives as true, 3.0 or "3" is a damaged manifest, not a number.

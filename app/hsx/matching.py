@@ -8,7 +8,7 @@ worker never claims a sample it would have to fail, and a job nobody can serve w
 Both sides are compared as short keys stored beside the job, so a claim filters in SQL on plain
 equality, the same on SQLite and Postgres:
   layers   the job's requested layers, or the ones its first stored sample was captured with
-  model    a digest of the model as the server describes it (backends.capture.describe_model:
+  model    a digest of the model as the server describes it (backends.model.describe_model:
            path, type, layer count, hidden size, norm eps, vocabulary), recorded with the job's
            first stored sample. Workers of one job must serve the model under the same path.
 """

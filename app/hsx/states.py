@@ -7,13 +7,15 @@ from __future__ import annotations
 import enum
 
 
-class _StrEnum(str, enum.Enum):
+class StrEnum(str, enum.Enum):
+    """Members that are their values: hsx's enums (states, proofs, engines) share it."""
+
     # enum.StrEnum is Python 3.11+; hsx supports 3.10, where SGLang's images still run.
     def __str__(self) -> str:
         return self.value
 
 
-class JobState(_StrEnum):
+class JobState(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     CANCELLING = "cancelling"
@@ -29,7 +31,7 @@ class JobState(_StrEnum):
         return self in TERMINAL_JOB_STATES
 
 
-class SampleState(_StrEnum):
+class SampleState(StrEnum):
     # A conversation waiting to be rendered into token ids (and regenerated, when the job asks), by
     # a writer's preparer, before it can be queued for extraction.
     PREPARING = "preparing"

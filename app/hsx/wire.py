@@ -29,6 +29,7 @@ from pydantic_core import PydanticCustomError, core_schema
 from hsx import dtypes
 from hsx.layers import MAX_LAYER_INDEX, MAX_LAYERS, check_layers
 from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
+from hsx.sources import Source
 from hsx.states import JobState, SampleState
 
 
@@ -532,7 +533,9 @@ class WorkerOut(BaseModel):
         "go only to workers of the model and layers its first stored sample came from",
     )
     layers: list[int] | None = Field(description="the layers its server gives")
-    source: str | None = Field(description="dumps or response: how it takes hidden states from its server")
+    source: Source | None = Field(
+        description=f"the engine it takes hidden states with ({', '.join(Source)}: hsx serve --source)"
+    )
     vocab_size: int | None = Field(
         None,
         description="its server's vocabulary: token ids below it (null: not said); a new job's samples are checked "

@@ -152,6 +152,8 @@ def test_output_disk_full_pauses_then_resumes(tmp_path, checkpoint, recompute):
         )
         svc.output_root = out
         try:
+            # The writer ready first: a job posted while it still starts would wait for that, not for the disk.
+            svc.proc.wait_http(svc.url + "/healthz", ok=lambda r: r.json().get("status") == "ok")
             samples = make_samples(12, seed=43, lo=60, hi=120)
             job_id = svc.post_job({"samples": samples}).json()["id"]
             reason = wait_for(

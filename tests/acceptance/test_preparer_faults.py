@@ -8,6 +8,7 @@ The service runs in front of the reference server, whose model folder carries a 
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -45,6 +46,11 @@ def reference(tmp_path_factory, model):
     ref = start_reference(tmp_path_factory.mktemp("preparer-ref"), model)
     yield ref
     ref.stop()
+
+
+def roots(hostile) -> list[str]:
+    """The flag that lets jobs name the hostile templates' folders as their tokenizer."""
+    return ["--tokenizer-roots", os.path.commonpath(list(hostile.values()))]
 
 
 def samples(*conversations):
@@ -93,7 +99,9 @@ def test_batches_without_loss_masks_and_with_bad_samples_end_each_sample_alone(t
 
 
 def test_a_template_that_raises_fails_only_its_sample(tmp_path, reference, hostile, database_url):
-    svc = start_service(tmp_path, database_url, backend_url=reference.url, dump_root=reference.dump_root)
+    svc = start_service(
+        tmp_path, database_url, backend_url=reference.url, dump_root=reference.dump_root, extra=roots(hostile)
+    )
     try:
         body = {"tokenizer": hostile["boom"], "samples": samples(GOOD, BOOM, GOOD)}
         job = svc.wait_job(svc.post_job(body).json()["id"], timeout=120)
@@ -112,7 +120,7 @@ def test_a_render_that_runs_too_long_fails_alone(tmp_path, reference, hostile, d
         database_url,
         backend_url=reference.url,
         dump_root=reference.dump_root,
-        extra=["--prepare-timeout-s", "10"],
+        extra=["--prepare-timeout-s", "10", *roots(hostile)],
     )
     try:
         body = {"tokenizer": hostile["slow"], "samples": samples(GOOD, SLOW, GOOD)}
@@ -124,7 +132,9 @@ def test_a_render_that_runs_too_long_fails_alone(tmp_path, reference, hostile, d
 
 
 def test_cancel_and_shutdown_stop_a_render_at_once(tmp_path, reference, hostile, database_url):
-    svc = start_service(tmp_path, database_url, backend_url=reference.url, dump_root=reference.dump_root)
+    svc = start_service(
+        tmp_path, database_url, backend_url=reference.url, dump_root=reference.dump_root, extra=roots(hostile)
+    )
     try:
         stuck = svc.post_job({"tokenizer": hostile["slow"], "samples": samples(SLOW)}).json()["id"]
         time.sleep(3)  # the render has started (the template loads in about a second)

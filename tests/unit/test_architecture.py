@@ -1,5 +1,6 @@
 """docs/architecture.md's map is the rule for imports inside hsx: every `import hsx.…` and `from hsx.… import …`
-under app/hsx (at the top of a module, inside a function, under TYPE_CHECKING) is one the map allows.
+under app/hsx (at the top of a module, inside a function, under TYPE_CHECKING) is one the map allows; and no
+module imports a name another keeps private (`_x`), or a package's private module from outside it.
 
 `python -m tests.unit.test_architecture` prints the imports as they are, package by package."""
 
@@ -152,8 +153,45 @@ def test_a_route_that_reaches_past_the_service_is_caught():
 def test_the_wire_models_stand_on_the_bottom_floor():
     """`api`, `service` and `sdk` share hsx.wire; none of them reaches into another for a body's model."""
     rules = read_map(MAP.read_text())
-    assert rules["wire"] <= {"states", "names", "layers", "dtypes"}  # floor 0, as wire is
+    assert rules["wire"] <= {"states", "names", "layers", "dtypes", "sources"}  # floor 0, as wire is
     assert "api" not in rules["sdk"] and "api" not in rules["service"]
+
+
+def private_imports(path: Path, source: str) -> list[str]:
+    """Imports of a private name (`_x`) from another module, and of a private module (`_base`, `_core`)
+    from outside its package: what modules share is public in its module, or in its package's `_base`."""
+    module, out = module_of(path), []
+    name = module if module == "hsx" else f"hsx.{module}"
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.ImportFrom) and node.module and _in_hsx(node.module)):
+            continue
+        where = f"{path.relative_to(ROOT)}:{node.lineno}"
+        private = [a.name for a in node.names if a.name.startswith("_")]
+        if private:
+            out.append(f"{where}: imports {', '.join(private)} from {node.module}")
+        parts = node.module.split(".")
+        for n, part in enumerate(parts):
+            outside = not f"{name}.".startswith(".".join(parts[:n]) + ".")
+            if part.startswith("_") and outside:
+                out.append(f"{where}: imports {node.module}, private to {'.'.join(parts[:n])}")
+    return out
+
+
+def test_no_module_imports_what_another_keeps_private():
+    found = [v for path in sources() for v in private_imports(path, path.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_a_private_import_is_caught():
+    cli = PACKAGE / "cli" / "client" / "manifest.py"
+    assert private_imports(cli, "from hsx.sdk._core import write_atomic\n") == [
+        "app/hsx/cli/client/manifest.py:1: imports hsx.sdk._core, private to hsx.sdk"
+    ]
+    jobs = PACKAGE / "db" / "repository" / "jobs.py"
+    assert private_imports(jobs, "from hsx.db.repository.transitions import _transition\n") == [
+        "app/hsx/db/repository/jobs.py:1: imports _transition from hsx.db.repository.transitions"
+    ]
+    assert not private_imports(jobs, "from hsx.db.repository._base import rowcount\n")
 
 
 def _graph(rules: dict[str, set[str]]) -> dict[str, set[str]]:

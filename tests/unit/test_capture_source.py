@@ -1,5 +1,6 @@
-"""Which way a model server gives hidden states (hsx.backends.capture), and the exact conversion of
-answered numbers to the model's dtype (hsx.backends.response.exact)."""
+"""Which engine takes an SGLang-style server, and what it makes of what the server says (hsx.backends.sglang
+and its two engines, hsx.backends.engines.sglang_dumps and .sglang_answers), and the exact conversion of
+answered numbers to the model's dtype (sglang_answers.exact)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from hsx.backends.capture import CaptureProblem, decide, describe_model, read_plugin_info
-from hsx.backends.dumps import DumpRejected
-from hsx.backends.response import exact
+from hsx import backends
+from hsx.backends.dumps import DumpRejected, DumpRoot
+from hsx.backends.engine import CaptureProblem, Engine, Server
+from hsx.backends.engines.sglang_answers import AnswersEngine, exact
+from hsx.backends.engines.sglang_dumps import DumpsEngine
+from hsx.backends.model import describe_model
+from hsx.backends.sglang import Said, SGLangEngine, read_plugin_info
+from hsx.sources import AUTO, Source
 
 STOCK = {
     "version": "0.5.23",
@@ -42,22 +48,38 @@ def stock(model_dir: Path, **changes) -> dict:
     return {**STOCK, "model_path": str(model_dir), **changes}
 
 
+def decide(choice: str, name_by: str, server_info: dict, model_info: dict, *, plugin_info, dump_root: Path) -> Engine:
+    """The engine hsx takes for what the server says: the one chosen, or with auto the first SGLang engine in
+    the registry's order that takes the server (what hsx.backends.discover does, without the HTTP reads)."""
+    server = Server("http://127.0.0.1:9", DumpRoot(dump_root), dump_root / "staging", name_by=name_by)
+    said = Said(model_info, server_info, plugin_info)
+    chosen = AUTO if choice == AUTO else Source(choice)
+    for cls in backends.engines_for(chosen):
+        if issubclass(cls, SGLangEngine) and (engine := cls.of(server, said, auto=chosen == AUTO)) is not None:
+            return engine
+    raise AssertionError("no SGLang engine took the server")
+
+
 def test_a_server_that_describes_its_dumps_is_read_as_it_says(tmp_path):
     info = {"hs_dump": {"name_by": "rid", "layers": [2, 4, 5, 8], "boot_id": "x"}, "disable_radix_cache": True}
-    capture = decide("auto", "auto", info, {}, plugin_info=None, dump_root=tmp_path)
-    assert (capture.source, capture.name_by, capture.layers, capture.boot_id) == ("dumps", "rid", [2, 4, 5, 8], "x")
-    assert capture.asks is None and capture.rid_prefix == "hsx-"
+    engine = decide("auto", "auto", info, {}, plugin_info=None, dump_root=tmp_path)
+    capture = engine.capture
+    assert (engine.source, capture.name_by, capture.layers, capture.boot_id) == ("dumps", "rid", [2, 4, 5, 8], "x")
+    assert isinstance(engine, DumpsEngine) and not engine.plugin and capture.rid_prefix == "hsx-"
 
 
 def test_a_server_that_says_nothing_is_a_patched_one_naming_by_counter(tmp_path):
-    capture = decide("auto", "auto", {}, {}, plugin_info=None, dump_root=tmp_path)
-    assert (capture.source, capture.name_by, capture.layers, capture.concurrent) == ("dumps", "counter", None, False)
+    engine = decide("auto", "auto", {}, {}, plugin_info=None, dump_root=tmp_path)
+    assert (engine.source, engine.capture.name_by, engine.capture.layers) == ("dumps", "counter", None)
+    assert not engine.concurrent and engine.regenerates
 
 
 def test_the_plugin_description_wins_over_the_answers(tmp_path, model_dir):
-    capture = decide("auto", "auto", stock(model_dir, **AUX), {}, plugin_info=PLUGIN, dump_root=tmp_path)
-    assert (capture.source, capture.name_by, capture.layers) == ("dumps", "rid", [2, 16, 29, 32])
-    assert capture.rid_prefix == "run7-" and capture.asks == "logprob" and capture.concurrent
+    engine = decide("auto", "auto", stock(model_dir, **AUX), {}, plugin_info=PLUGIN, dump_root=tmp_path)
+    capture = engine.capture
+    assert (engine.source, capture.name_by, capture.layers) == ("dumps", "rid", [2, 16, 29, 32])
+    assert isinstance(engine, DumpsEngine) and engine.plugin, "its requests ask for logprobs (the plugin's row counts)"
+    assert capture.rid_prefix == "run7-" and engine.concurrent
 
 
 def test_a_plugin_description_beside_a_server_without_aux_capture_is_refused(tmp_path, model_dir):
@@ -73,8 +95,10 @@ def test_a_plugin_description_beside_a_server_without_aux_capture_is_refused(tmp
 
 
 def test_answers_give_the_aux_layers_or_the_last_one(tmp_path, model_dir):
-    aux = decide("auto", "auto", stock(model_dir, **AUX), {}, plugin_info=None, dump_root=tmp_path)
-    assert (aux.source, aux.layers, aux.hidden_size, aux.dtype) == ("response", [2, 16, 29], 4096, "bfloat16")
+    engine = decide("auto", "auto", stock(model_dir, **AUX), {}, plugin_info=None, dump_root=tmp_path)
+    aux = engine.capture
+    assert (engine.source, aux.layers, aux.hidden_size, aux.dtype) == ("response", [2, 16, 29], 4096, "bfloat16")
+    assert isinstance(engine, AnswersEngine) and engine.concurrent and aux.name_by is None
     explicit = decide(
         "auto",
         "auto",
@@ -82,7 +106,7 @@ def test_answers_give_the_aux_layers_or_the_last_one(tmp_path, model_dir):
         {},
         plugin_info=None,
         dump_root=tmp_path,
-    )
+    ).capture
     assert explicit.layers == [2, 16, 29], "SGLang's ids name the layer whose input is taken: HF layer id + 1"
     last = decide(
         "auto",
@@ -91,7 +115,7 @@ def test_answers_give_the_aux_layers_or_the_last_one(tmp_path, model_dir):
         {},
         plugin_info=None,
         dump_root=tmp_path,
-    )
+    ).capture
     assert (last.layers, last.dtype) == ([32], "float16")
 
 
@@ -117,7 +141,7 @@ def test_dtype_auto_is_what_sglang_runs_the_checkpoint_in(tmp_path, config, runs
         {},
         plugin_info=None,
         dump_root=tmp_path,
-    )
+    ).capture
     assert capture.dtype == runs_in
 
 

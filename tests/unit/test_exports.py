@@ -10,6 +10,7 @@ Optimizer's offline loader (examples/speculative_decoding/eagle_utils.py rglob("
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
@@ -24,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as safetensors_save
 
 from hsx.cli import main as hsx
-from hsx.exports import export_job, speculators
+from hsx.exports import TARGETS, export_job, exporter_class, speculators
 from hsx.exports.base import RECORD_NAME, ExportRefused
 from tests.support.jobs import LLAMA_LAYERS, llama_job, make_job, tiny_llama
 
@@ -526,3 +527,30 @@ def test_cli_modules_stay_light():
     code = "import sys, hsx.cli.export, hsx.cli.verify; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_each_targets_options_are_its_exporters_keyword_arguments(name):
+    """`hsx export` builds its flags from TARGETS: each option is a keyword argument of the target's exporter,
+    with the same default, and the exporter takes no other."""
+    exporter = exporter_class(name)
+    assert exporter.target == name
+    taken = {
+        p.name: p.default
+        for p in inspect.signature(exporter.__init__).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert taken == {o.name: o.default for o in TARGETS[name].all_options}
+    flags = {a.dest for a in _export_parser(name)._actions}
+    assert {o.name for o in TARGETS[name].all_options} <= flags
+
+
+def _export_parser(name: str):
+    """The parser of `hsx export NAME`, as hsx builds it."""
+    import argparse
+
+    from hsx.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    targets = next(a for a in commands.choices["export"]._actions if isinstance(a, argparse._SubParsersAction))
+    return targets.choices[name]

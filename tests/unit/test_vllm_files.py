@@ -1,4 +1,4 @@
-"""What hsx takes from vLLM's hidden-states files (hsx.backends.vllm), on real files: the token ids
+"""What hsx takes from vLLM's hidden-states files (hsx.backends.engines.vllm), on real files: the token ids
 prove the file is the sample's, the layers come out one tensor each, the file is read only once its
 writer lets go of the lock, and a file named outside the dump root or for another request is refused."""
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hsx.backends.capture import CaptureProblem
-from hsx.backends.dumps import DumpRejected, validate, write_dump
-from hsx.backends.vllm import (
+from hsx.backends.dumps import DumpRejected, DumpRoot, validate, write_dump
+from hsx.backends.engine import CaptureProblem, Server
+from hsx.backends.engines.vllm import (
     VLLM_INFO_FILE,
     VLLM_INFO_FORMAT,
-    VLLMExtractor,
+    VLLMEngine,
     lock_path,
     read_rows,
     read_vllm_info,
@@ -86,8 +86,8 @@ def test_the_file_is_read_once_its_writer_lets_go_of_the_lock(tmp_path):
 
 
 def test_a_file_named_outside_the_root_or_for_another_request_is_refused(tmp_path):
-    capture, _ = vllm_capture(info([2, 4, 8]), tmp_path)
-    extractor = VLLMExtractor(None, tmp_path, tmp_path / "staging", capture, model="m", wait_s=0.1)  # type: ignore[arg-type]
+    server = Server("http://127.0.0.1:9", DumpRoot(tmp_path), tmp_path / "staging", dump_wait_s=0.1)
+    engine = VLLMEngine(server, vllm_capture(info([2, 4, 8]), tmp_path), model="m")
     cases = {
         "outside_root": {"kv_transfer_params": {"hidden_states_path": "/etc/cmpl-hsx-a-0.safetensors"}},
         "not_ours": {"kv_transfer_params": {"hidden_states_path": str(tmp_path / "cmpl-hsx-b-0.safetensors")}},
@@ -95,9 +95,9 @@ def test_a_file_named_outside_the_root_or_for_another_request_is_refused(tmp_pat
     }
     for code, answer in cases.items():
         with pytest.raises(DumpRejected) as exc:
-            extractor._named_file(answer, "hsx-a")
+            engine._named_file(answer, "hsx-a")
         assert exc.value.code == code
-    assert extractor._named_file(cases["not_ours"], "hsx-b").name == "cmpl-hsx-b-0.safetensors"
+    assert engine._named_file(cases["not_ours"], "hsx-b").name == "cmpl-hsx-b-0.safetensors"
 
 
 def info(layers: list[int]) -> dict[str, object]:
@@ -116,8 +116,10 @@ def test_the_connectors_file_describes_the_capture_and_the_final_layer_before_th
     with pytest.raises(CaptureProblem, match=VLLM_INFO_FILE):
         vllm_capture(read_vllm_info(tmp_path), tmp_path)
     (tmp_path / VLLM_INFO_FILE).write_text(json.dumps(info([8, 2, 4, 2])))
-    capture, model = vllm_capture(read_vllm_info(tmp_path), tmp_path)
-    assert capture.source == "vllm" and capture.layers == [2, 4, 8] and capture.concurrent
-    assert model["final_layer"] == "pre_norm" and model["num_hidden_layers"] == 8
+    capture = vllm_capture(read_vllm_info(tmp_path), tmp_path)
+    assert capture.layers == [2, 4, 8] and capture.name_by is None
+    assert capture.model["final_layer"] == "pre_norm" and capture.model["num_hidden_layers"] == 8
+    engine = VLLMEngine(Server("http://127.0.0.1:9", DumpRoot(tmp_path), tmp_path / "staging"), capture, model="m")
+    assert engine.source == "vllm" and engine.concurrent and not engine.regenerates
     assert post_norm_layers([2, 4, 8], 8, "pre_norm") == []
     assert post_norm_layers([2, 4, 8], 8, None) == [8]

@@ -54,7 +54,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     app.state.read_sessions = session_factory(engine, readonly=True)
     app.state.writer = writer
     app.state.cancels = cancels
-    app.state.backend = BackendInfo(settings.backend_url)
+    app.state.backend = BackendInfo(settings)
     app.state.large_bodies = LargeBodies(settings.max_large_bodies, settings.large_body_bytes)
     problems.install(app)
     query.install(app)

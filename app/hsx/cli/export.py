@@ -7,18 +7,22 @@ import sys
 from typing import Any
 
 from hsx.cli.progress import PROGRESS_NOTE, progress
-from hsx.exports import default_workers
-from hsx.layers import layers_arg
+from hsx.exports import TARGETS, Option, default_workers
 
 NAME = "export"
 EXTRA = "training"
 HELP = "export a job for SpecForge, vLLM speculators or NVIDIA Model Optimizer training"
+
+
+def _layouts() -> str:
+    width = max(map(len, TARGETS))
+    return "\n".join(f"  {name:<{width}}  {target.layout}" for name, target in TARGETS.items())
+
+
 DESCRIPTION = f"""\
 Write a finished job's hidden states as one file per sample in a training framework's offline layout:
 
-  specforge    rows_<a>-<b>/data_<i>.ckpt  (input_ids, loss_mask, hidden_state [1,T,H], aux_hidden_state [1,T,3H])
-  speculators  hidden_states/hs_<i>.safetensors  (hidden_states [T,4,H], token_ids [T]) + hsx_samples.jsonl
-  modelopt     <sample id>.pt  (input_ids, hidden_states [T,H], aux_hidden_states [T,3H], loss_mask)
+{_layouts()}
 
 Layers follow hsx's numbering (0 = embeddings, k = decoder layer k, L = after the final norm), and
 L, the post-norm layers and the model type come from the manifest where it records them; the
@@ -44,87 +48,42 @@ def _positive(value: str) -> int:
     return n
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="the job folder, or its manifest.json")
-    p.add_argument("out_dir", help="output folder (created; must be empty or hold an earlier run of this export)")
+def _add_option(p: argparse.ArgumentParser, option: Option) -> None:
+    if option.type is bool:  # a switch: off unless given
+        p.add_argument(f"--{option.name.replace('_', '-')}", action="store_true", help=option.help)
+        return
+    shown = "" if option.default is None else " (default: %(default)s)"
     p.add_argument(
-        "--num-layers",
-        type=int,
-        default=None,
-        metavar="L",
-        help="the model's number of decoder layers, when the manifest lacks model.num_hidden_layers",
+        f"--{option.name.replace('_', '-')}",
+        type=option.type,
+        default=option.default,
+        metavar=option.metavar,
+        help=option.help + shown,
     )
-    p.add_argument(
-        "--aux-layers",
-        type=layers_arg,
-        default=None,
-        metavar="I,J,K",
-        help="aux layers in hsx numbering (default: the target's EAGLE-3 convention, [2, L//2, L-3])",
-    )
-    p.add_argument(
-        "--workers",
-        type=_positive,
-        default=default_workers(),
-        metavar="N",
-        help=f"processes writing files, each a chunk of one shard's samples at a time (default: {default_workers()}, "
-        "the CPUs here, at most 4)",
-    )
-    p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and no progress)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
-    p = sub.add_parser("specforge", help="SpecForge offline EAGLE-3 (OfflineEagle3Dataset)")
-    _common(p)
-    p.add_argument(
-        "--group-size",
-        type=int,
-        default=2000,
-        help="files per rows_<a>-<b> folder (default: 2000, as SpecForge's --file-group-size)",
-    )
-    p = sub.add_parser("speculators", help="vLLM speculators (hs_<i>.safetensors)")
-    _common(p)
-    p.add_argument(
-        "--final-norm-weight",
-        default=None,
-        metavar="CHECKPOINT",
-        help="the target model's checkpoint folder (or a .safetensors file) holding its final norm "
-        "weight; needed because speculators stores the last layer before the final norm",
-    )
-    p.add_argument(
-        "--final-norm-key",
-        default=None,
-        help="tensor name of the final norm weight (default: model.norm.weight and common variants)",
-    )
-    p.add_argument(
-        "--final-norm-offset",
-        type=float,
-        default=None,
-        help="the norm scales by weight + OFFSET (default: 1 when the manifest's model.model_type has a "
-        "Gemma-style norm, else 0)",
-    )
-    p.add_argument(
-        "--fp8",
-        action="store_true",
-        help="a job stored in fp8: write its float8_e4m3fn codes and their scales (hidden_states_scales) as "
-        "speculators' own FP8 backend does, for its reader to multiply in (default: decoded, in the job's dtype)",
-    )
-    p = sub.add_parser("modelopt", help="NVIDIA Model Optimizer offline EAGLE (OfflineSupervisedDataset)")
-    _common(p)
+    for name, target in TARGETS.items():
+        p = sub.add_parser(name, help=target.help)
+        p.add_argument("source", help="the job folder, or its manifest.json")
+        p.add_argument("out_dir", help="output folder (created; must be empty or hold an earlier run of this export)")
+        for option in target.all_options:
+            _add_option(p, option)
+        p.add_argument(
+            "--workers",
+            type=_positive,
+            default=default_workers(),
+            metavar="N",
+            help=f"processes writing files, each a chunk of one shard's samples at a time (default: "
+            f"{default_workers()}, the CPUs here, at most 4)",
+        )
+        p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and no progress)")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    options = {"num_layers": args.num_layers, "aux_layers": args.aux_layers}
-    if args.target == "specforge":
-        options["group_size"] = args.group_size
-    elif args.target == "speculators":
-        options.update(
-            final_norm_weight=args.final_norm_weight,
-            final_norm_key=args.final_norm_key,
-            final_norm_offset=args.final_norm_offset,
-            fp8=args.fp8,
-        )
-    return options
+    """The target's options as its exporter takes them."""
+    return {option.name: getattr(args, option.name) for option in TARGETS[args.target].all_options}
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,8 +6,9 @@ The flags are generated from Settings: one per field, named after it, its descri
 from __future__ import annotations
 
 import argparse
+import enum
 import sys
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
@@ -37,6 +38,20 @@ def _value_type(field: FieldInfo) -> type:
     """Numbers are parsed here, so that a bad one is a usage error (exit 2); Settings converts the rest."""
     kinds = [k for k in get_args(field.annotation) if k is not type(None)] or [field.annotation]
     return kinds[0] if kinds[0] in (int, float) else str
+
+
+def _choices(field: FieldInfo) -> list[str] | None:
+    """The values a setting made of literals and enums takes (--source: auto and each engine); None for others."""
+    kinds = get_args(field.annotation) or (field.annotation,)
+    choices: list[str] = []
+    for kind in kinds:
+        if get_origin(kind) is Literal:
+            choices += [str(v) for v in get_args(kind)]
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+            choices += [str(m.value) for m in kind]
+        else:
+            return None
+    return choices
 
 
 def _shown(default: Any) -> str:
@@ -72,6 +87,7 @@ def add_settings(
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             type=_value_type(field),
+            choices=_choices(field),
             default=None,
             help=f"{text} (env {_env_var(name)}; default {_shown(field.default)})",
         )

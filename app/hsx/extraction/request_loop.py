@@ -21,9 +21,9 @@ import time
 import numpy as np
 from sqlalchemy.orm import Session
 
-from hsx.backends.dumps import DumpRejected, DumpRoot
-from hsx.backends.extract import Expectation
-from hsx.backends.sglang import BackendRejected, BackendUnavailable
+from hsx.backends.dumps import DumpRejected
+from hsx.backends.engine import Engine, Expectation
+from hsx.backends.http import BackendRejected, BackendUnavailable
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.extraction.database import Database
@@ -31,7 +31,7 @@ from hsx.extraction.disk import DISK_RETRY_S, DiskPause
 from hsx.extraction.flusher import ShardFlusher
 from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
-from hsx.extraction.server_watch import SampleExtractor, ServerWatch
+from hsx.extraction.server_watch import ServerWatch
 from hsx.extraction.status import StatusReport
 from hsx.matching import Serves
 
@@ -43,7 +43,8 @@ log = logging.getLogger("hsx.writer")
 # with many slots does not ask the database dozens of times a second.
 IDLE_POLL_S = 0.2
 IDLE_POLL_MAX_S = 2.0
-# rid mode: completed dumps nobody waits for (warm-up, health checks, other clients) are swept.
+# What requests whose answer was never read left in the dump root (Engine.leftovers: warm-up, health
+# checks, other clients, answers lost to a restart) is swept once this old.
 SWEEP_EVERY_S = 60.0
 SWEEP_AGE_S = 120.0
 
@@ -54,7 +55,6 @@ class RequestLoop:
         *,
         settings: Settings,
         identity: str,
-        root: DumpRoot,
         db: Database,
         server: ServerWatch,
         report: StatusReport,
@@ -67,7 +67,6 @@ class RequestLoop:
         self.settings = settings
         self.lease = lease
         self.identity = identity
-        self.root = root
         self.db = db
         self.server = server
         self.report = report
@@ -100,12 +99,12 @@ class RequestLoop:
             return self._step(slot)
 
     def _step(self, slot: int) -> bool:
-        extractor = self._extractor()
-        if extractor is None:
+        engine = self._engine()
+        if engine is None:
             self.stop.wait(self.server.backoff.next())
             return False
-        if slot > 0 and not extractor.capture.concurrent:
-            self.stop.wait(1.0)  # counter naming needs the root to itself: one request at a time
+        if slot > 0 and not engine.concurrent:
+            self.stop.wait(1.0)  # an engine that finds dumps by scanning the root takes one request at a time
             return False
         if self.pause.reason:
             self.report.set("waiting", self.pause.reason)
@@ -118,7 +117,7 @@ class RequestLoop:
         claimed = self.db.run(lambda s: repo.claim_next(s, self.slot_identity(slot), serves))
         if claimed is None:
             if slot == 0:
-                self._sweep(extractor)
+                self._sweep(engine)
             if not self.stop.is_set() and self._work.wait(self._idle_wait_s()):
                 self._work.clear()
             return False
@@ -128,31 +127,31 @@ class RequestLoop:
             # Nothing left to claim: the flushers look whether the job's staged samples fill a shard;
             # the rest waits for the requests still running, to go to the job's last shard with them.
             self.flusher.wake()
-        self.flusher.settle(claimed.job_id, queued=self._process(claimed, extractor, serves))
+        self.flusher.settle(claimed.job_id, queued=self._process(claimed, engine, serves))
         return True
 
-    def _extractor(self) -> SampleExtractor | None:
-        """The extractor for the model server, None while it cannot take requests; what a check of
-        the server finds becomes the writer's status."""
-        extractor, verdict = self.server.ensure()
+    def _engine(self) -> Engine | None:
+        """The engine for the model server, None while it cannot take requests; what a check of the
+        server finds becomes the writer's status."""
+        engine, verdict = self.server.ensure()
         if verdict is not None:
             if verdict.server is not None:
                 self.report.status.server = verdict.server
             self.report.set(verdict.state, verdict.reason)
-        return extractor
+        return engine
 
-    def _process(self, c: repo.Claimed, extractor: SampleExtractor, serves: Serves) -> int | None:
+    def _process(self, c: repo.Claimed, engine: Engine, serves: Serves) -> int | None:
         """Run the claimed sample to its outcome; returns how many of its job's samples are queued
         when it was staged (None when it was not)."""
         ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
-        rid = f"{extractor.capture.rid_prefix}{c.job_id}-{c.idx}-t{c.try_number}"
+        rid = f"{engine.capture.rid_prefix}{c.job_id}-{c.idx}-t{c.try_number}"
         info = c.job_model_info or {}
         expect = Expectation(
             layers=info.get("layers", c.job_layers), hidden_size=info.get("hidden_size"), dtype=info.get("dtype")
         )
         started = time.monotonic()
         try:
-            dump = extractor.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}", expect=expect)
+            dump = engine.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}", expect=expect)
         except BackendUnavailable as exc:
             self.metrics.attempt("interrupted", "server_unavailable")
             self.server.lost()
@@ -217,17 +216,14 @@ class RequestLoop:
         self.flusher.staged(c.job_id, c.sample_pk, dump.nbytes)
         return queued
 
-    def _sweep(self, extractor: SampleExtractor) -> None:
+    def _sweep(self, engine: Engine) -> None:
         """Remove what requests that were never read left in the root (their answer lost to a
-        restart or a timeout): rid-named dumps, and vLLM's files with their locks."""
-        capture = extractor.capture
-        named = capture.source == "vllm" or (capture.source == "dumps" and capture.name_by == "rid")
-        if not named or time.monotonic() - self._swept_at < SWEEP_EVERY_S:
+        restart or a timeout): rid-named dumps, vLLM's files with their locks."""
+        if time.monotonic() - self._swept_at < SWEEP_EVERY_S:
             return
         self._swept_at = time.monotonic()
         cutoff = time.time() - SWEEP_AGE_S
-        leftovers = self.root.files("cmpl-*") if capture.source == "vllm" else self.root.entries()
-        for d in leftovers:
+        for d in engine.leftovers():
             try:
                 if d.stat().st_mtime >= cutoff:
                     continue

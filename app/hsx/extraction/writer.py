@@ -29,8 +29,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from hsx.backends.dumps import DumpRoot
-from hsx.backends.sglang import SGLangClient
-from hsx.backends.vllm import VLLMClient
+from hsx.backends.engine import Server
 from hsx.config import Settings
 from hsx.db import repository as repo
 from hsx.db.engine import make_engine
@@ -64,15 +63,22 @@ class Writer:
         self.identity = writer_identity(settings.dump_root)
         self.root = DumpRoot(settings.dump_root)
         self.staging = settings.resolved_staging_dir()
-        self.client = SGLangClient(settings.backend_url, settings.request_timeout_s)
-        self.vllm = VLLMClient(settings.backend_url, settings.request_timeout_s)
+        self.server = Server(
+            settings.backend_url,
+            self.root,
+            self.staging,
+            timeout_s=settings.request_timeout_s,
+            dump_wait_s=settings.dump_wait_s,
+            settle_s=settings.dump_settle_s,
+            name_by=settings.name_by,
+        )
         self.status = WriterStatus()
         self.metrics = WriterMetrics()
         self.slots = max(1, settings.max_in_flight)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        server = ServerWatch(settings, self.client, self.root, self.staging, self.vllm)
-        self._db = Database(sessions, self.status, server, self._stop, self.identity)
+        watch = ServerWatch(settings, self.server)
+        self._db = Database(sessions, self.status, watch, self._stop, self.identity)
         self.lease = Lease(self.identity, settings.lease_s, self._db)
         self._report = StatusReport(self.status, self.lease, self._db, self._stats)
         pause = DiskPause()
@@ -89,9 +95,8 @@ class Writer:
         self._requests = RequestLoop(
             settings=settings,
             identity=self.identity,
-            root=self.root,
             db=self._db,
-            server=server,
+            server=watch,
             report=self._report,
             flusher=self._flusher,
             pause=pause,
@@ -103,7 +108,7 @@ class Writer:
             settings=settings,
             identity=self.identity,
             db=self._db,
-            server=server,
+            server=watch,
             finisher=finisher,
             queued=self._requests.notify_work,
             stop=self._stop,
@@ -151,8 +156,7 @@ class Writer:
             self._report.stopped()
         except Exception:  # stopping must not fail because the database is gone
             log.warning("could not record the writer's stop")
-        self.client.close()
-        self.vllm.close()
+        self.server.close()
         self.root.release()
 
     def step(self, slot: int = 0) -> bool:
@@ -185,10 +189,6 @@ class Writer:
                 self._preparer.run()
             except repo.LeaseLost as exc:
                 self.lease.lost(exc.epoch, exc)
-
-    def prepare_step(self) -> bool:
-        """One preparer turn (tests drive it directly); whether a batch was prepared."""
-        return self._preparer.step()
 
     def _stats(self) -> dict[str, object]:
         return {

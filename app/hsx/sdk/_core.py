@@ -68,14 +68,14 @@ def job_id(job: JobRef) -> str:
     return job.id
 
 
-def seg(value: Any) -> str:
+def path_segment(value: Any) -> str:
     """One URL path segment, percent-encoded; "." and ".." too, so that no client normalises them away."""
     text = quote(str(value), safe="")
     return text.replace(".", "%2E") if text in (".", "..") else text
 
 
 def jobs_path(job: JobRef, *rest: Any) -> str:
-    return "/".join(["/v1/jobs", seg(job_id(job)), *(seg(r) for r in rest)])
+    return "/".join(["/v1/jobs", path_segment(job_id(job)), *(path_segment(r) for r in rest)])
 
 
 def drop_none(d: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +110,7 @@ class Call(Generic[Answer]):
         return cast(Answer, resp.json())
 
 
-def idem(key: str | None) -> dict[str, str] | None:
+def idempotency_header(key: str | None) -> dict[str, str] | None:
     return {"Idempotency-Key": key} if key else None
 
 
@@ -139,7 +139,7 @@ class Calls:
                 **job_options(options),
             }
         )
-        return Call("POST", "/v1/jobs", Job, json=body, headers=idem(idempotency_key))
+        return Call("POST", "/v1/jobs", Job, json=body, headers=idempotency_header(idempotency_key))
 
     @staticmethod
     def submit_jsonl(
@@ -156,7 +156,7 @@ class Calls:
             "/v1/jobs",
             Job,
             params=params,
-            headers={"Content-Type": "application/x-ndjson", **(idem(idempotency_key) or {})},
+            headers={"Content-Type": "application/x-ndjson", **(idempotency_header(idempotency_key) or {})},
         )
 
     @staticmethod

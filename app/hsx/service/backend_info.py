@@ -1,5 +1,6 @@
-"""What the model servers accept, for validating submitted samples: the server at --backend-url, asked
-directly (cached, best effort), and each writer's server, as the writer registered it in the database.
+"""What the model servers accept, for validating submitted samples: the server at --backend-url, asked of
+the engine the service is set to use (hsx.backends.limits; cached, best effort), and each writer's server,
+as the writer registered it in the database.
 
 The limits a new job's samples keep to are the tightest of all that are known: the live writers that may
 run the job (those whose server gives its `layers`, when it asks for some; a new job is not yet tied to
@@ -16,25 +17,33 @@ from dataclasses import replace
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from hsx.backends.capture import ServerLimits
-from hsx.backends.sglang import BackendRejected, BackendUnavailable, SGLangClient
+from hsx import backends
+from hsx.backends.dumps import DumpRoot
+from hsx.backends.engine import Limits, Server
+from hsx.backends.http import BackendRejected, BackendUnavailable
+from hsx.config import Settings
 from hsx.db import repository as repo
-from hsx.service.intake import Limits
 
 TTL_S = 30.0
 FAILURE_TTL_S = 5.0
+ASK_TIMEOUT_S = 2.0
 
 
 class BackendInfo:
-    def __init__(self, base_url: str):
-        self.base_url = base_url.rstrip("/")
-        self._client = SGLangClient(self.base_url, timeout_s=2.0)
+    def __init__(self, settings: Settings):
+        self._server = Server(
+            settings.backend_url,
+            DumpRoot(settings.dump_root),
+            settings.resolved_staging_dir(),
+            timeout_s=ASK_TIMEOUT_S,
+        )
+        self._choice = settings.source
         self._lock = threading.Lock()
         self._limits = Limits()
         self._expires = 0.0
 
     def limits(self) -> Limits:
-        """Vocabulary size and prompt length limit from the server's model and server info.
+        """Vocabulary size, prompt length limit and what the server captures, as its engine tells them.
 
         When the server cannot be asked, the limits are unknown and only the model-independent
         checks apply; the server itself still refuses what it cannot take, as a failed attempt.
@@ -43,17 +52,7 @@ class BackendInfo:
             if time.monotonic() < self._expires:
                 return self._limits
             try:
-                model = self._client.model_info()
-                server = self._client.server_info()
-                said = ServerLimits.of_sglang(model, server)
-                dump = server.get("hs_dump") or {}
-                self._limits = Limits(
-                    vocab_size=said.vocab_size,
-                    max_tokens=said.max_prompt_tokens,
-                    layers=dump.get("layers"),
-                    hidden_size=model.get("hidden_size"),
-                    dtype=dump.get("dtype") or model.get("dtype"),
-                )
+                self._limits = backends.limits(self._server, self._choice)
                 self._expires = time.monotonic() + TTL_S
             except (BackendUnavailable, BackendRejected, ValueError):
                 self._limits = Limits()

@@ -22,18 +22,17 @@ import numpy as np
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
+from hsx.backends.engine import Limits
 from hsx.chat.formats import ConversationError, conversation_of
 from hsx.db.locks import hold_disk_budget
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
-from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from hsx.names import shown
 from hsx.service.errors import FieldError, InsufficientStorage, InvalidInput, OutsideInputRoot, Where
 from hsx.service.json_body import cut_turns
 from hsx.service.lines import LineSplitter, LineTooLongError
 from hsx.service.spool import SampleSpool
 from hsx.states import SampleState
-from hsx.storage.encoding import stored_row_bytes
 from hsx.wire import MAX_TOKEN_ID, MAX_TURNS, NO_LOSS_TOKENS, JobOptions, SampleIn, parse_body
 
 if TYPE_CHECKING:
@@ -43,26 +42,6 @@ MAX_ERRORS = 50
 BATCH = 2000
 READ_BYTES = 1024 * 1024
 _ID_DIGEST_KEY = os.urandom(16)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the model server accepts: ids below vocab_size, at most max_tokens per prompt."""
-
-    vocab_size: int | None = None
-    max_tokens: int | None = None
-    # What the server captures, for the job's size estimate.
-    layers: list[int] | None = None
-    hidden_size: int | None = None
-    dtype: str | None = None
-
-    def bytes_per_token(self, job_layers: list[int] | None, encoding: str = "raw") -> int | None:
-        """Shard bytes per token: every captured layer's row as `encoding` stores it, plus int64
-        input_ids and loss_mask."""
-        layers = job_layers or self.layers
-        if not layers or not self.hidden_size or self.dtype not in HIDDEN_STATE_DTYPES:
-            return None
-        return len(layers) * stored_row_bytes(encoding, DTYPES[self.dtype], self.hidden_size) + 16
 
 
 class Ingest:

@@ -334,7 +334,7 @@ def _imports(src: WheelSource) -> list[str]:
     return out
 
 
-# What hsx's service sends and reads (hsx.backends.sglang, hsx.backends.capture, hsx.backends.response).
+# What hsx's service sends and reads (hsx.backends.sglang and its two engines in hsx.backends.engines).
 REQUEST_FIELDS = ("input_ids", "rid", "extra_key", "return_hidden_states", "return_logprob", "sampling_params")
 SERVER_INFO_FIELDS = (
     "--model-path",

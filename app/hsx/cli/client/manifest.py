@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from hsx.sdk._core import write_atomic
+    from hsx.storage.atomic import write_json_atomic
 
     def body(hsx: HsxClient) -> int:
         manifest = hsx.manifest(args.job)
@@ -41,7 +41,8 @@ def main(args: argparse.Namespace) -> int:
         if args.output is None:
             print(json.dumps(doc) if args.json else json.dumps(doc, indent=1))
             return 0
-        path = write_atomic(Path(args.output), json.dumps(doc, indent=1).encode() + b"\n")
+        path = Path(args.output)
+        write_json_atomic(path, doc)
         summary = {
             "path": str(path),
             "job_id": manifest.job_id,

@@ -11,7 +11,9 @@
 - output_root: the output root the jobs write to.
 
 Callers use the package, `from hsx.db import repository as repo; repo.claim_next(...)`: every public
-name of the modules is here.
+name of the modules is here, but for what the modules share among themselves and callers never use:
+`_base` (the clock, the tables, row counts), `transitions` (the state machine every module moves samples
+through), and the counters a sample's outcome moves (`attempts.count_attempt`, `throughput.count_throughput`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _rowcount(result: Result[Any]) -> int:
+def rowcount(result: Result[Any]) -> int:
     """Rows an UPDATE or DELETE matched (Session.execute types every result as a plain Result)."""
     return cast(CursorResult[Any], result).rowcount
 
@@ -25,16 +25,16 @@ def _rowcount(result: Result[Any]) -> int:
 # transactions) runs thousands of times a minute per writer. Building a SQLAlchemy statement costs
 # far more CPU than the database spends running it, so those statements are built once per dialect
 # (functools.cache), on the tables rather than the ORM classes, with every value a bind parameter.
-_jobs, _samples, _attempts, _writers, _throughput = (
+JOBS, SAMPLES, ATTEMPTS, WRITERS, THROUGHPUT = (
     cast(Table, row.__table__) for row in (JobRow, SampleRow, AttemptRow, WriterRow, ThroughputRow)
 )
 
 
-def _now_param() -> BindParameter[datetime]:
+def now_param() -> BindParameter[datetime]:
     return bindparam("p_now", type_=DateTime(timezone=True))
 
 
-def _dialect(session: Session) -> str:
+def dialect_of(session: Session) -> str:
     return session.get_bind().dialect.name
 
 

@@ -11,7 +11,7 @@ from sqlalchemy import Insert, Table, Update, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import AttemptCountRow
-from hsx.db.repository._base import PKS_PER_QUERY, _jobs, _rowcount
+from hsx.db.repository._base import JOBS, PKS_PER_QUERY, rowcount
 
 _counts = cast(Table, AttemptCountRow.__table__)
 
@@ -25,14 +25,14 @@ def reason_code(reason: str | None) -> str:
     return (reason or "").split(":", 1)[0][:REASON_CODE_LENGTH]
 
 
-def _count_attempt(session: Session, job_id: str, outcome: str, reason: str | None, n: int = 1) -> None:
+def count_attempt(session: Session, job_id: str, outcome: str, reason: str | None, n: int = 1) -> None:
     """Add `n` (negative: take away) to the job's attempts that ended with `outcome` for `reason`'s code.
-    Callers hold the job's row lock (_transition takes it), so that no other transaction inserts the
+    Callers hold the job's row lock (transition takes it), so that no other transaction inserts the
     same row between the UPDATE and the INSERT; the INSERT takes its job from the jobs table, so a job
     deleted meanwhile gets no row."""
     params = {"p_job": job_id, "p_outcome": outcome, "p_reason": reason_code(reason), "p_n": n}
     added, first = _count_statements()
-    if _rowcount(session.execute(added, params)) == 0 and n > 0:
+    if rowcount(session.execute(added, params)) == 0 and n > 0:
         session.execute(first, params)
 
 
@@ -46,11 +46,11 @@ def _count_statements() -> tuple[Update, Insert]:
     )
     added = update(_counts).where(*row).values(n=_counts.c.n + bindparam("p_n"))
     job = select(
-        _jobs.c.id,
+        JOBS.c.id,
         bindparam("p_outcome", type_=_counts.c.outcome.type),
         bindparam("p_reason", type_=_counts.c.reason.type),
         bindparam("p_n", type_=_counts.c.n.type),
-    ).where(_jobs.c.id == bindparam("p_job"))
+    ).where(JOBS.c.id == bindparam("p_job"))
     first = _counts.insert().from_select(["job_id", "outcome", "reason", "n"], job)
     return added, first
 

@@ -14,8 +14,8 @@ from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import AttemptCountRow, AttemptRow, JobRow, SampleRow, ShardRow, ThroughputRow
-from hsx.db.repository._base import _rowcount, utcnow
-from hsx.db.repository.transitions import ALL, _lock_job, _transition
+from hsx.db.repository._base import rowcount, utcnow
+from hsx.db.repository.transitions import ALL, lock_job, transition
 from hsx.matching import Serves, layers_key
 from hsx.names import JOB_ID_FORM
 from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
@@ -201,7 +201,7 @@ def cancel_job(session: Session, job_id: str) -> JobRow | None:
     cancelled afterwards, batch by batch (cancel_queued), so that the request answers at once
     whatever the job's size; running or staged ones finish and are stored. Returns None when the
     job is not queued or running (finished, or already cancelling)."""
-    job = _lock_job(session, job_id)
+    job = lock_job(session, job_id)
     if job is None or job.state not in (JobState.QUEUED, JobState.RUNNING):
         return None
     job.state, job.cancel_requested_at = JobState.CANCELLING, utcnow()
@@ -220,13 +220,13 @@ def cancel_queued(session: Session, job_id: str, limit: int) -> int:
     """Cancel up to `limit` queued samples of a cancelling job (the first in input order); returns how
     many. Each call cancels what is still queued under the job-row lock, so calls from several
     processes at once only take turns, and one repeated after a crash does no harm."""
-    job = _lock_job(session, job_id)
+    job = lock_job(session, job_id)
     if job is None or job.state != JobState.CANCELLING:
         return 0
     if job.n_preparing:
         # Conversations not yet prepared are cancelled at once (a preparer's claim included: what it
         # stores afterwards finds them gone); they hold no tokens to count.
-        return _transition(session, job_id, ALL, SampleState.PREPARING, SampleState.CANCELLED, {"writer": None})
+        return transition(session, job_id, ALL, SampleState.PREPARING, SampleState.CANCELLED, {"writer": None})
     if not job.n_queued:
         return 0
     # The index on (job_id, state, idx) finds the batch's last sample without reading the rows;
@@ -238,14 +238,14 @@ def cancel_queued(session: Session, job_id: str, limit: int) -> int:
         .offset(max(limit, 1) - 1)
         .limit(1)
     ).scalar()
-    return _transition(
+    return transition(
         session, job_id, ALL, SampleState.QUEUED, SampleState.CANCELLED, {"writer": None}, through_idx=last
     )
 
 
 def retry_failed(session: Session, job_id: str) -> int | None:
     """Queue the job's failed samples again with a fresh attempt budget. None: not allowed now."""
-    job = _lock_job(session, job_id)
+    job = lock_job(session, job_id)
     if job is None or job.state in (JobState.CANCELLING, JobState.CANCELLED) or job.n_failed == 0:
         return None
     # Conversations that failed before they had token ids (their generation, say) are prepared again.
@@ -257,8 +257,8 @@ def retry_failed(session: Session, job_id: str) -> int | None:
         ).scalars()
     )
     fresh = {"attempts": 0, "writer": None, "last_error": None}
-    moved = _transition(session, job_id, unprepared, SampleState.FAILED, SampleState.PREPARING, fresh)
-    moved += _transition(session, job_id, ALL, SampleState.FAILED, SampleState.QUEUED, {"attempts": 0, "writer": None})
+    moved = transition(session, job_id, unprepared, SampleState.FAILED, SampleState.PREPARING, fresh)
+    moved += transition(session, job_id, ALL, SampleState.FAILED, SampleState.QUEUED, {"attempts": 0, "writer": None})
     session.execute(
         update(JobRow)
         .where(JobRow.id == job_id)
@@ -273,7 +273,7 @@ def retry_failed(session: Session, job_id: str) -> int | None:
 
 def delete_job(session: Session, job_id: str) -> bool | None:
     """Delete a finished job's rows. None: not found; False: not finished yet."""
-    job = _lock_job(session, job_id)
+    job = lock_job(session, job_id)
     if job is None:
         return None
     if job.state not in TERMINAL_JOB_STATES:
@@ -335,7 +335,7 @@ def _nothing_stored(session: Session, job: JobRow) -> str:
 
 def finish_job_if_done(session: Session, job_id: str) -> bool:
     """Move a job to its terminal state (final_state's rule) once no sample is preparing, queued, running or staged."""
-    job = _lock_job(session, job_id)
+    job = lock_job(session, job_id)
     if job is None:
         return False
     state = final_state(job)
@@ -354,7 +354,7 @@ def finish_job_if_done(session: Session, job_id: str) -> bool:
         )
         .values(state=state, finished_at=utcnow(), error=error)
     )
-    return _rowcount(result) == 1
+    return rowcount(result) == 1
 
 
 def fail_job(session: Session, job_id: str, reason: str) -> None:
@@ -362,4 +362,4 @@ def fail_job(session: Session, job_id: str, reason: str) -> None:
     loaded): fail what is queued or waiting to be prepared."""
     session.execute(update(JobRow).where(JobRow.id == job_id).values(error=reason))
     for state in (SampleState.PREPARING, SampleState.QUEUED):
-        _transition(session, job_id, ALL, state, SampleState.FAILED, {"last_error": reason, "writer": None})
+        transition(session, job_id, ALL, state, SampleState.FAILED, {"last_error": reason, "writer": None})

@@ -15,8 +15,8 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import JobRow, SampleRow
-from hsx.db.repository._base import _dialect
-from hsx.db.repository.transitions import _transition
+from hsx.db.repository._base import dialect_of as _dialect
+from hsx.db.repository.transitions import transition as _transition
 from hsx.states import JobState, SampleState
 
 

@@ -12,11 +12,11 @@ from sqlalchemy import ColumnElement, Select, Update, bindparam, case, exists, f
 from sqlalchemy.orm import Session
 
 from hsx.db.models import AttemptRow, SampleRow
-from hsx.db.repository._base import PKS_PER_QUERY, _attempts, _dialect, _jobs, _now_param, _samples, utcnow
-from hsx.db.repository.attempts import _count_attempt
+from hsx.db.repository._base import ATTEMPTS, JOBS, PKS_PER_QUERY, SAMPLES, dialect_of, now_param, utcnow
+from hsx.db.repository.attempts import count_attempt
 from hsx.db.repository.preparing import release_preparing
-from hsx.db.repository.throughput import _count_throughput
-from hsx.db.repository.transitions import _requeue_state, _transition
+from hsx.db.repository.throughput import count_throughput
+from hsx.db.repository.transitions import requeue_state, transition
 from hsx.matching import Serves
 from hsx.states import JobState, SampleState
 
@@ -50,7 +50,7 @@ def claim_next(session: Session, writer: str, serves: Serves | None = None) -> C
     SQLite serialises writers by itself and ignores the row locks.
     """
     serves = serves or Serves(None, None)
-    statements = _claim(_dialect(session), serves.layers is not None, serves.model is not None)
+    statements = _claim(dialect_of(session), serves.layers is not None, serves.model is not None)
     now = utcnow()
     params = {"p_writer": writer, "p_now": now, "p_layers": serves.layers, "p_model": serves.model}
     job_id = session.execute(statements.job, params).scalar()
@@ -94,70 +94,70 @@ class _ClaimStatements:
 def _claim(dialect: str, by_layers: bool, by_model: bool) -> _ClaimStatements:
     # The queued rows themselves, not the n_queued counter, say whether a job has work: a job can
     # never be picked for nothing while another waits.
-    has_queued = exists().where(_samples.c.job_id == _jobs.c.id, _samples.c.state == SampleState.QUEUED)
-    keys = ((_jobs.c.layers_key, "p_layers", by_layers), (_jobs.c.model_key, "p_model", by_model))
+    has_queued = exists().where(SAMPLES.c.job_id == JOBS.c.id, SAMPLES.c.state == SampleState.QUEUED)
+    keys = ((JOBS.c.layers_key, "p_layers", by_layers), (JOBS.c.model_key, "p_model", by_model))
     # hsx.matching: jobs of no key yet, or of the worker's own
     runs_on = [or_(column.is_(None), column == bindparam(param)) for column, param, wanted in keys if wanted]
     job = (
-        select(_jobs.c.id)
-        .where(_jobs.c.state.in_((JobState.QUEUED, JobState.RUNNING)), *runs_on, has_queued)
-        .order_by(_jobs.c.id)
+        select(JOBS.c.id)
+        .where(JOBS.c.state.in_((JobState.QUEUED, JobState.RUNNING)), *runs_on, has_queued)
+        .order_by(JOBS.c.id)
         .limit(1)
-        .with_for_update(of=_jobs)
+        .with_for_update(of=JOBS)
     )
     pick = (
-        select(_samples.c.pk)
-        .where(_samples.c.job_id == bindparam("p_job"), _samples.c.state == SampleState.QUEUED)
-        .order_by(_samples.c.idx)
+        select(SAMPLES.c.pk)
+        .where(SAMPLES.c.job_id == bindparam("p_job"), SAMPLES.c.state == SampleState.QUEUED)
+        .order_by(SAMPLES.c.idx)
         .limit(1)
     )
     if dialect == "postgresql":
         pick = pick.with_for_update(skip_locked=True)
-    other = _samples.alias("other")
+    other = SAMPLES.alias("other")
     busy = exists().where(other.c.state == SampleState.RUNNING, other.c.writer == bindparam("p_writer"))
     sample = (
-        update(_samples)
-        .where(_samples.c.pk == pick.scalar_subquery(), _samples.c.state == SampleState.QUEUED, ~busy)
+        update(SAMPLES)
+        .where(SAMPLES.c.pk == pick.scalar_subquery(), SAMPLES.c.state == SampleState.QUEUED, ~busy)
         .values(
             state=SampleState.RUNNING,
             writer=bindparam("p_writer"),
-            attempts=_samples.c.attempts + 1,
-            tries=_samples.c.tries + 1,
-            updated_at=_now_param(),
+            attempts=SAMPLES.c.attempts + 1,
+            tries=SAMPLES.c.tries + 1,
+            updated_at=now_param(),
         )
         .returning(
-            _samples.c.pk,
-            _samples.c.idx,
-            _samples.c.sample_id,
-            _samples.c.input_ids,
-            _samples.c.loss_mask,
-            _samples.c.num_tokens,
-            _samples.c.attempts,
-            _samples.c.tries,
+            SAMPLES.c.pk,
+            SAMPLES.c.idx,
+            SAMPLES.c.sample_id,
+            SAMPLES.c.input_ids,
+            SAMPLES.c.loss_mask,
+            SAMPLES.c.num_tokens,
+            SAMPLES.c.attempts,
+            SAMPLES.c.tries,
         )
     )
-    first = _jobs.c.state == JobState.QUEUED
+    first = JOBS.c.state == JobState.QUEUED
     counters = (
-        update(_jobs)
-        .where(_jobs.c.id == bindparam("p_job"))
+        update(JOBS)
+        .where(JOBS.c.id == bindparam("p_job"))
         .values(
-            n_queued=_jobs.c.n_queued - 1,
-            n_requeued=_jobs.c.n_requeued - bindparam("p_retried"),
-            n_running=_jobs.c.n_running + 1,
-            state=case((first, JobState.RUNNING), else_=_jobs.c.state),
-            started_at=case((first, _now_param()), else_=_jobs.c.started_at),
+            n_queued=JOBS.c.n_queued - 1,
+            n_requeued=JOBS.c.n_requeued - bindparam("p_retried"),
+            n_running=JOBS.c.n_running + 1,
+            state=case((first, JobState.RUNNING), else_=JOBS.c.state),
+            started_at=case((first, now_param()), else_=JOBS.c.started_at),
         )
-        .returning(_jobs.c.n_queued, _jobs.c.layers, _jobs.c.model_info)
+        .returning(JOBS.c.n_queued, JOBS.c.layers, JOBS.c.model_info)
     )
     attempt = (
-        insert(_attempts)
+        insert(ATTEMPTS)
         .values(
             sample_pk=bindparam("p_pk"),
             number=bindparam("p_number"),
             writer=bindparam("p_writer"),
-            started_at=_now_param(),
+            started_at=now_param(),
         )
-        .returning(_attempts.c.pk)
+        .returning(ATTEMPTS.c.pk)
     )
     return _ClaimStatements(job, sample, counters, attempt)
 
@@ -170,12 +170,12 @@ def _close_attempt(session: Session, attempt_pk: int, outcome: str, reason: str 
 @functools.cache
 def _attempt_close(columns: tuple[str, ...]) -> Update:
     return (
-        update(_attempts)
-        .where(_attempts.c.pk == bindparam("p_pk"))
+        update(ATTEMPTS)
+        .where(ATTEMPTS.c.pk == bindparam("p_pk"))
         .values(
             outcome=bindparam("p_outcome"),
             reason=bindparam("p_reason"),
-            finished_at=_now_param(),
+            finished_at=now_param(),
             **{c: bindparam(f"v_{c}") for c in columns},
         )
     )
@@ -204,7 +204,7 @@ def mark_staged(
         boot_id=boot_id,
         identity=identity,
     )
-    moved = _transition(
+    moved = transition(
         session,
         c.job_id,
         [c.sample_pk],
@@ -219,8 +219,8 @@ def mark_staged(
         },
     )
     if moved:
-        _count_throughput(session, c.job_id, samples=1, tokens=observed_tokens)
-        _count_attempt(session, c.job_id, "ok", None)
+        count_throughput(session, c.job_id, samples=1, tokens=observed_tokens)
+        count_attempt(session, c.job_id, "ok", None)
     return moved == 1
 
 
@@ -231,7 +231,7 @@ def queued_left(session: Session, job_id: str) -> int:
 
 @functools.cache
 def _queued_count() -> Select[Any]:
-    return select(_jobs.c.n_queued).where(_jobs.c.id == bindparam("p_job"))
+    return select(JOBS.c.n_queued).where(JOBS.c.id == bindparam("p_job"))
 
 
 def record_failed_attempt(
@@ -256,27 +256,27 @@ def record_failed_attempt(
         dump_key=dump_key,
         boot_id=boot_id,
     )
-    dst = SampleState.FAILED if final else _requeue_state(session, c.job_id)
+    dst = SampleState.FAILED if final else requeue_state(session, c.job_id)
     values = {"last_error": reason, "observed_tokens": observed_tokens}
     if not final:
         values["writer"] = None
-    if _transition(session, c.job_id, [c.sample_pk], SampleState.RUNNING, dst, values):
-        _count_attempt(session, c.job_id, outcome, reason)
+    if transition(session, c.job_id, [c.sample_pk], SampleState.RUNNING, dst, values):
+        count_attempt(session, c.job_id, outcome, reason)
     return dst
 
 
 def release_interrupted(session: Session, c: Claimed, *, reason: str) -> None:
     """Give the sample back without spending an attempt: the server, not the sample, failed."""
     _close_attempt(session, c.attempt_pk, "interrupted", reason)
-    if _transition(
+    if transition(
         session,
         c.job_id,
         [c.sample_pk],
         SampleState.RUNNING,
-        _requeue_state(session, c.job_id),
+        requeue_state(session, c.job_id),
         {"writer": None, "attempts": SampleRow.attempts - 1, "last_error": reason},
     ):
-        _count_attempt(session, c.job_id, "interrupted", reason)
+        count_attempt(session, c.job_id, "interrupted", reason)
 
 
 def _writer_or_slots(writer: str) -> ColumnElement[bool]:
@@ -305,16 +305,16 @@ def recover_writer(
             .where(AttemptRow.sample_pk == pk, AttemptRow.outcome.is_(None))
             .values(outcome="interrupted", reason=why, finished_at=utcnow())
         )
-        moved = _transition(
+        moved = transition(
             session,
             job_id,
             [pk],
             SampleState.RUNNING,
-            _requeue_state(session, job_id),
+            requeue_state(session, job_id),
             {"writer": None, "attempts": SampleRow.attempts - 1},
         )
         if moved:
-            _count_attempt(session, job_id, "interrupted", why)
+            count_attempt(session, job_id, "interrupted", why)
         requeued += moved
     staged = session.execute(
         select(SampleRow.pk, SampleRow.job_id, SampleRow.staged_path).where(
@@ -325,12 +325,12 @@ def recover_writer(
         if path and staged_exists(path):
             kept += 1
         else:
-            requeued += _transition(
+            requeued += transition(
                 session,
                 job_id,
                 [pk],
                 SampleState.STAGED,
-                _requeue_state(session, job_id),
+                requeue_state(session, job_id),
                 {
                     "writer": None,
                     "staged_path": None,
@@ -369,12 +369,12 @@ def running_samples(session: Session, writer: str, job_id: str) -> int:
 
 
 def requeue_staged(session: Session, job_id: str, pks: list[int], reason: str) -> None:
-    _transition(
+    transition(
         session,
         job_id,
         pks,
         SampleState.STAGED,
-        _requeue_state(session, job_id),
+        requeue_state(session, job_id),
         {"writer": None, "staged_path": None, "last_error": reason},
     )
 
@@ -391,13 +391,13 @@ def reject_staged(session: Session, job_id: str, pk: int, *, reason: str, max_at
         .where(AttemptRow.sample_pk == pk, AttemptRow.number == number)
         .values(outcome=outcome, reason=reason)
     )
-    dst = SampleState.FAILED if final else _requeue_state(session, job_id)
+    dst = SampleState.FAILED if final else requeue_state(session, job_id)
     values = {"last_error": reason, "staged_path": None}
     if not final:
         values["writer"] = None
-    if _transition(session, job_id, [pk], SampleState.STAGED, dst, values) != 1:
+    if transition(session, job_id, [pk], SampleState.STAGED, dst, values) != 1:
         raise RuntimeError(f"sample {pk} left the staged state while its shard was written")
     # The attempt that staged it counted as ok: it counts under its new outcome now.
-    _count_attempt(session, job_id, "ok", None, -1)
-    _count_attempt(session, job_id, outcome, reason)
+    count_attempt(session, job_id, "ok", None, -1)
+    count_attempt(session, job_id, outcome, reason)
     return dst

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from hsx.db.models import JobRow, ShardRow
 from hsx.db.repository._base import PKS_PER_QUERY, utcnow
-from hsx.db.repository.transitions import _transition
+from hsx.db.repository.transitions import transition
 from hsx.states import SampleState
 
 
@@ -52,7 +52,7 @@ def commit_shard(
     # In parts, each within any database's limit on parameters (three a sample: pk twice, offset).
     for start in range(0, len(placed), PKS_PER_QUERY // 2):
         part = placed[start : start + PKS_PER_QUERY // 2]
-        moved = _transition(
+        moved = transition(
             session,
             job_id,
             [pk for pk, _, _ in part],

@@ -12,33 +12,33 @@ from sqlalchemy import Insert, Update, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import JobRow, ThroughputRow
-from hsx.db.repository._base import _rowcount, _throughput
+from hsx.db.repository._base import THROUGHPUT, rowcount
 
 THROUGHPUT_BUCKET_S = 5
 
 
-def _count_throughput(session: Session, job_id: str, *, samples: int, tokens: int) -> None:
-    """Add to the job's bucket for now. Callers hold the job's row lock (_transition takes it), so no
+def count_throughput(session: Session, job_id: str, *, samples: int, tokens: int) -> None:
+    """Add to the job's bucket for now. Callers hold the job's row lock (transition takes it), so no
     other transaction can insert the same bucket between the UPDATE and the INSERT."""
     start = int(time.time()) // THROUGHPUT_BUCKET_S * THROUGHPUT_BUCKET_S
     params = {"p_job": job_id, "p_start": start, "p_samples": samples, "p_tokens": tokens}
     added, first = _throughput_count()
-    if _rowcount(session.execute(added, params)) == 0:
+    if rowcount(session.execute(added, params)) == 0:
         session.execute(first, params)
 
 
 @functools.cache
 def _throughput_count() -> tuple[Update, Insert]:
     """(add to an existing bucket, start a new one)."""
-    row = (_throughput.c.job_id == bindparam("p_job"), _throughput.c.bucket_start == bindparam("p_start"))
+    row = (THROUGHPUT.c.job_id == bindparam("p_job"), THROUGHPUT.c.bucket_start == bindparam("p_start"))
     added = (
-        update(_throughput)
+        update(THROUGHPUT)
         .where(*row)
         .values(
-            samples=_throughput.c.samples + bindparam("p_samples"), tokens=_throughput.c.tokens + bindparam("p_tokens")
+            samples=THROUGHPUT.c.samples + bindparam("p_samples"), tokens=THROUGHPUT.c.tokens + bindparam("p_tokens")
         )
     )
-    first = insert(_throughput).values(
+    first = insert(THROUGHPUT).values(
         job_id=bindparam("p_job"),
         bucket_start=bindparam("p_start"),
         samples=bindparam("p_samples"),

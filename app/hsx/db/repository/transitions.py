@@ -16,11 +16,11 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import ReturningUpdate
 
 from hsx.db.models import JobRow, SampleRow
-from hsx.db.repository._base import _jobs, _now_param, _rowcount, _samples, utcnow
+from hsx.db.repository._base import JOBS, SAMPLES, now_param, rowcount, utcnow
 from hsx.states import JobState, SampleState
 
 
-def _lock_job(session: Session, job_id: str) -> JobRow | None:
+def lock_job(session: Session, job_id: str) -> JobRow | None:
     """Read the job row for update: cancel, retry and sample outcomes on one job serialise here. The
     row as locked, not as this session may have read it before the lock."""
     return session.execute(
@@ -32,10 +32,10 @@ def _lock_job(session: Session, job_id: str) -> JobRow | None:
 TOKEN_COUNTERS = {SampleState.STAGED: JobRow.tokens_staged, SampleState.SUCCEEDED: JobRow.tokens_done}
 
 
-ALL = None  # _transition's `pks` for "every sample of the job in that state"
+ALL = None  # transition's `pks` for "every sample of the job in that state"
 
 
-def _transition(
+def transition(
     session: Session,
     job_id: str,
     pks: list[int] | None,
@@ -75,8 +75,8 @@ def _transition(
             result = session.execute(
                 update(SampleRow).where(*which).values(stamp).execution_options(synchronize_session=False)
             )
-            if _rowcount(result) != rc:
-                raise RuntimeError(f"job {job_id}: {_rowcount(result)} samples left {src}, {rc} were counted")
+            if rowcount(result) != rc:
+                raise RuntimeError(f"job {job_id}: {rowcount(result)} samples left {src}, {rc} were counted")
     else:
         if per_sample or any(isinstance(v, ColumnElement) for v in values.values()):
             # Rare moves (SQL expressions, or a value per sample): built for the occasion.
@@ -84,12 +84,12 @@ def _transition(
             for column, by_pk in (per_sample or {}).items():
                 # Typed as its column: a CASE whose every branch is NULL is text to Postgres, which then
                 # refuses it for a bytea or integer column.
-                stamp[column] = cast(case(by_pk, value=_samples.c.pk), _samples.c[column].type)
+                stamp[column] = cast(case(by_pk, value=SAMPLES.c.pk), SAMPLES.c[column].type)
             statement = (
-                update(_samples)
-                .where(_samples.c.pk.in_(pks), _samples.c.state == src)
+                update(SAMPLES)
+                .where(SAMPLES.c.pk.in_(pks), SAMPLES.c.state == src)
                 .values(stamp)
-                .returning(_samples.c.num_tokens, _samples.c.tries)
+                .returning(SAMPLES.c.num_tokens, SAMPLES.c.tries)
             )
             params = {}
         else:
@@ -106,18 +106,18 @@ def _transition(
 
 @functools.cache
 def _job_lock() -> Select[Any]:
-    """The job row's lock (FOR UPDATE on Postgres; SQLite serialises writers by itself): see _transition."""
-    return select(_jobs.c.id).where(_jobs.c.id == bindparam("p_job")).with_for_update()
+    """The job row's lock (FOR UPDATE on Postgres; SQLite serialises writers by itself): see transition."""
+    return select(JOBS.c.id).where(JOBS.c.id == bindparam("p_job")).with_for_update()
 
 
 @functools.cache
 def _sample_move(columns: tuple[str, ...]) -> ReturningUpdate[Any]:
     """Move samples by pk from one state to another, setting `columns` (bound as v_<column>)."""
     return (
-        update(_samples)
-        .where(_samples.c.pk.in_(bindparam("p_pks", expanding=True)), _samples.c.state == bindparam("p_src"))
-        .values(state=bindparam("p_dst"), updated_at=_now_param(), **{c: bindparam(f"v_{c}") for c in columns})
-        .returning(_samples.c.num_tokens, _samples.c.tries)
+        update(SAMPLES)
+        .where(SAMPLES.c.pk.in_(bindparam("p_pks", expanding=True)), SAMPLES.c.state == bindparam("p_src"))
+        .values(state=bindparam("p_dst"), updated_at=now_param(), **{c: bindparam(f"v_{c}") for c in columns})
+        .returning(SAMPLES.c.num_tokens, SAMPLES.c.tries)
     )
 
 
@@ -125,23 +125,23 @@ def _sample_move(columns: tuple[str, ...]) -> ReturningUpdate[Any]:
 def _job_counters(src: SampleState, dst: SampleState) -> Update:
     """The job's counters follow p_rc samples (of p_tokens tokens, p_tried of them tried before) from
     `src` to `dst`."""
-    src_col, dst_col = _jobs.c[f"n_{src}"], _jobs.c[f"n_{dst}"]
+    src_col, dst_col = JOBS.c[f"n_{src}"], JOBS.c[f"n_{dst}"]
     changes = {src_col: src_col - bindparam("p_rc"), dst_col: dst_col + bindparam("p_rc")}
-    requeued = _jobs.c.n_requeued  # the queued samples tried before
+    requeued = JOBS.c.n_requeued  # the queued samples tried before
     if src == SampleState.QUEUED:
         changes[requeued] = requeued - bindparam("p_tried")
     if dst == SampleState.QUEUED:
         changes[requeued] = requeued + bindparam("p_tried")
     for state, column in TOKEN_COUNTERS.items():
-        col = _jobs.c[column.key]
+        col = JOBS.c[column.key]
         if state == src:
             changes[col] = col - bindparam("p_tokens")
         if state == dst:
             changes[col] = col + bindparam("p_tokens")
-    return update(_jobs).where(_jobs.c.id == bindparam("p_job")).values(changes)
+    return update(JOBS).where(JOBS.c.id == bindparam("p_job")).values(changes)
 
 
-def _requeue_state(session: Session, job_id: str) -> SampleState:
+def requeue_state(session: Session, job_id: str) -> SampleState:
     """Where a sample goes for another attempt: the queue, unless its job is being cancelled."""
-    job = _lock_job(session, job_id)
+    job = lock_job(session, job_id)
     return SampleState.CANCELLED if job is not None and job.state == JobState.CANCELLING else SampleState.QUEUED

@@ -13,7 +13,7 @@ from sqlalchemy import Select, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import WriterRow
-from hsx.db.repository._base import _dialect, _now_param, _rowcount, _writers, utcnow
+from hsx.db.repository._base import WRITERS, dialect_of, now_param, rowcount, utcnow
 from hsx.db.repository.samples import recover_writer
 from hsx.matching import Waiting, may_take_new
 
@@ -68,16 +68,16 @@ def check_lease(session: Session, identity: str, epoch: int) -> None:
     a takeover (FOR UPDATE) waits for transactions already past the check, while the heartbeat's
     renewal (an UPDATE of no key column) does not wait for them."""
     lease = {"p_identity": identity, "p_epoch": epoch, "p_now": utcnow()}
-    if session.execute(_lease_check(_dialect(session)), lease).first() is None:
+    if session.execute(_lease_check(dialect_of(session)), lease).first() is None:
         raise LeaseLost(f"writer {identity}: lease {epoch} is no longer current", epoch)
 
 
 @functools.cache
 def _lease_check(dialect: str) -> Select[Any]:
-    q = select(_writers.c.epoch).where(
-        _writers.c.identity == bindparam("p_identity"),
-        _writers.c.epoch == bindparam("p_epoch"),
-        _writers.c.lease_expires_at > _now_param(),
+    q = select(WRITERS.c.epoch).where(
+        WRITERS.c.identity == bindparam("p_identity"),
+        WRITERS.c.epoch == bindparam("p_epoch"),
+        WRITERS.c.lease_expires_at > now_param(),
     )
     return q.with_for_update(read=True, key_share=True) if dialect == "postgresql" else q
 
@@ -111,7 +111,7 @@ def renew_lease(
             lease_expires_at=_lease_until(lease_s),
         )
     )
-    if _rowcount(renewed) == 0:
+    if rowcount(renewed) == 0:
         raise LeaseLost(f"writer {identity}: lease {epoch} expired or was taken over", epoch)
 
 

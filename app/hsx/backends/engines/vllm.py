@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from hsx.backends.capture import Capture, CaptureProblem, describe_model
 from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, stage_dump
-from hsx.backends.extract import Expectation
+from hsx.backends.engine import Capture, CaptureProblem, Engine, Expectation, Limits, Look, Server, count
 from hsx.backends.http import BackendRejected, HttpBackend
+from hsx.backends.model import describe_model
 from hsx.dtypes import DTYPES_BY_CODE, HIDDEN_STATE_DTYPES
 from hsx.identity import Identity
+from hsx.sources import Source
 from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index
 
 VLLM_INFO_FILE = "hsx-vllm.json"
@@ -75,9 +76,9 @@ def read_vllm_info(dump_root: Path) -> dict[str, Any] | None:
     return info if isinstance(info, dict) and info.get("format") == VLLM_INFO_FORMAT else None
 
 
-def vllm_capture(info: dict[str, Any] | None, dump_root: Path) -> tuple[Capture, dict[str, Any]]:
-    """The capture hsx-vllm.json describes, and the model as a manifest records it (its layer L
-    before the final norm: `final_layer` pre_norm). CaptureProblem when there is no usable file."""
+def vllm_capture(info: dict[str, Any] | None, dump_root: Path) -> Capture:
+    """The capture hsx-vllm.json describes, with the model as a manifest records it (its layer L before
+    the final norm: `final_layer` pre_norm). CaptureProblem when there is no usable file."""
     if info is None:
         raise CaptureProblem(
             f"no {VLLM_INFO_FILE} in the dump root ({dump_root}): start vLLM with hsx's connector and its "
@@ -88,35 +89,63 @@ def vllm_capture(info: dict[str, Any] | None, dump_root: Path) -> tuple[Capture,
         raise CaptureProblem(f"{VLLM_INFO_FILE} gives no layer list: {layers!r}")
     if not (isinstance(num_layers, int) and isinstance(hidden, int)) or dtype not in HIDDEN_STATE_DTYPES:
         raise CaptureProblem(f"{VLLM_INFO_FILE} does not give the model's layer count, hidden size and dtype")
-    capture = Capture(
-        source="vllm",
+    model = {"model_path": info.get("model_path"), "num_hidden_layers": num_layers, "hidden_size": hidden}
+    return Capture(
         layers=sorted(set(layers)),  # vLLM writes its layers in ascending order, each once
+        model={**describe_model(model, {}), "final_layer": "pre_norm"},
+        layers_from=f"vLLM's hidden-states files ({VLLM_INFO_FILE})",
         hidden_size=hidden,
         dtype=dtype,
         boot_id=info.get("boot_id"),
-        how=f"vLLM's hidden-states files ({VLLM_INFO_FILE})",
         identity=Identity.IDS,
     )
-    model = {"model_path": info.get("model_path"), "num_hidden_layers": num_layers, "hidden_size": hidden}
-    return capture, {**describe_model(model, {}), "final_layer": "pre_norm"}
 
 
-class VLLMExtractor:
-    def __init__(self, client: VLLMClient, root: Path, staging: Path, capture: Capture, *, model: str, wait_s: float):
+class VLLMEngine(Engine):
+    source = Source.VLLM
+
+    def __init__(self, server: Server, capture: Capture, *, model: str):
         if capture.layers is None:
             raise ValueError("a vLLM capture needs its layers")
-        self.client = client
-        self.root = Path(root).resolve()
-        self.staging = staging
-        self.capture = capture
+        super().__init__(server, capture)
+        self.client = server.client(VLLMClient)
+        self.root = server.root.path.resolve()
         self.layers: list[int] = capture.layers
-        self.model = model
-        self.wait_s = wait_s
+        self.model = model  # the name requests must give
+
+    @classmethod
+    def discover(cls, look: Look) -> VLLMEngine | None:
+        """What hsx's connector wrote into the dump root; with auto, None when it wrote nothing there."""
+        root = look.server.root.path
+        info = read_vllm_info(root)
+        if look.auto and info is None:
+            return None
+        client = look.server.client(VLLMClient)
+        client.health()
+        model, _ = client.model()
+        return cls(look.server, vllm_capture(read_vllm_info(root), root), model=model)
+
+    @classmethod
+    def limits(cls, server: Server) -> Limits | None:
+        """Its context length less the one token each request generates, and the vocabulary of the model
+        hsx-vllm.json names (from its config.json, where that is readable here); None without that file."""
+        info = read_vllm_info(server.root.path)
+        if info is None:
+            return None
+        _, context = server.client(VLLMClient).model()
+        capture = vllm_capture(info, server.root.path)
+        return Limits(
+            vocab_size=count(capture.model.get("vocab_size")),
+            max_tokens=context - 1 if context else None,
+            layers=capture.layers,
+            hidden_size=capture.hidden_size,
+            dtype=capture.dtype,
+        )
+
+    def leftovers(self) -> list[Path]:
+        return self.server.root.files("cmpl-*")
 
     def extract(self, input_ids: list[int], *, rid: str, staged_name: str, expect: Expectation) -> Dump:
-        """Run the request and return its rows, staged at `staging/staged_name` as a validated dump.
-
-        Raises DumpRejected, or BackendUnavailable / BackendRejected from the client."""
         answer = self.client.complete(input_ids, rid, self.model)
         path = self._named_file(answer, rid)
         try:
@@ -125,8 +154,8 @@ class VLLMExtractor:
                 raise DumpRejected(
                     "server_token_count", f"server reports {prompt_tokens} prompt tokens, sample has {len(input_ids)}"
                 )
-            with shared_lock(path, self.wait_s):
-                return self._stage(path, input_ids, rid, self.staging / staged_name, expect)
+            with shared_lock(path, self.server.dump_wait_s):
+                return self._stage(path, input_ids, rid, self.server.staging / staged_name, expect)
         finally:
             for done_with in (path, lock_path(path)):
                 done_with.unlink(missing_ok=True)
