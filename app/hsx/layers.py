@@ -5,11 +5,16 @@ output of decoder layer k, L (= num_hidden_layers) the last layer's output after
 EAGLE-3 trains on three auxiliary layers and the final layer. SGLang, SpecForge and vLLM name the
 auxiliary layers [1, L//2 - 1, L - 4] by the decoder layer whose *output* they take, which in this
 numbering is [2, L//2, L - 3]; with the post-norm final layer the capture is [2, L//2, L - 3, L].
+
+A job asks for the layers its trainer reads, by name (LAYER_SETS) or as a list; a name fixes which side of
+the final norm layer L lies too, since the trainers differ there and an export must never find out late.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Literal
 
 
 def layer_key(layer: int) -> str:
@@ -34,6 +39,17 @@ def layers_arg(text: str) -> list[int]:
         return parse_layers(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def layer_choice_arg(text: str) -> list[int] | str:
+    """A job's layers as a command line gives them: a set's name (LAYER_SETS, or any), or a list."""
+    if text in LAYER_SETS or text == ANY_LAYERS:
+        return text
+    try:
+        return parse_layers(text)
+    except ValueError:
+        names = ", ".join([*LAYER_SETS, ANY_LAYERS])
+        raise argparse.ArgumentTypeError(f"expected one of {names}, or layer numbers such as 2,4,5,8") from None
 
 
 # Far beyond any model (the largest have a few hundred layers), and small enough that a job's layers
@@ -94,3 +110,65 @@ def select_layers(
     if last in aux:
         raise ValueError(f"layer {last} is both an aux layer and the last layer")
     return aux, last
+
+
+@dataclass(frozen=True)
+class LayerSet:
+    """Layers a kind of drafter trains on, named; `final_layer` is the side of the final norm layer L
+    must be taken from (post_norm: after it, as SGLang gives it; pre_norm: before, as vLLM does)."""
+
+    name: str
+    description: str
+    final_layer: Literal["post_norm", "pre_norm"]
+    last_only: bool = False
+
+    def layers(self, num_layers: int) -> list[int]:
+        return [num_layers] if self.last_only else eagle3_capture_layers(num_layers)
+
+
+LAYER_SETS = {
+    s.name: s
+    for s in (
+        LayerSet(
+            "eagle3",
+            "EAGLE-3's three aux layers and the last, after the final norm (SpecForge and Model Optimizer read "
+            "it so; SGLang with the hsx-sglang plugin gives it so)",
+            "post_norm",
+        ),
+        LayerSet(
+            "eagle3_pre_norm",
+            "EAGLE-3's three aux layers and the last, before the final norm (vLLM speculators read it so; vLLM "
+            "gives it so)",
+            "pre_norm",
+        ),
+        LayerSet(
+            "last",
+            "the last layer alone, after the final norm (EAGLE-1/2 and MTP-style drafters)",
+            "post_norm",
+            last_only=True,
+        ),
+        LayerSet("last_pre_norm", "the last layer alone, before the final norm", "pre_norm", last_only=True),
+    )
+}
+# Whatever the server captures: the job keeps the layers of its first stored sample.
+ANY_LAYERS: Literal["any"] = "any"
+DEFAULT_LAYER_SET = "eagle3"
+LayerSetName = Literal["eagle3", "eagle3_pre_norm", "last", "last_pre_norm", "any"]
+
+
+def sets_given(layers: list[int] | None, num_layers: int | None, final_layer: str | None) -> list[str]:
+    """The named sets a server gives exactly: capturing `layers` of a model of `num_layers` layers, its
+    layer L on the `final_layer` side of the norm (post_norm when it does not say)."""
+    if not layers or not num_layers:
+        return []
+    side = final_layer or "post_norm"
+    return [s.name for s in LAYER_SETS.values() if s.final_layer == side and s.layers(num_layers) == sorted(layers)]
+
+
+def describe_choice(choice: str | list[int] | None) -> str:
+    """A job's layers as a person reads them: a list, or a set's name with what it means."""
+    if isinstance(choice, list):
+        return f"layers [{', '.join(map(str, choice))}]"
+    if choice in LAYER_SETS:
+        return f"layers {choice} ({LAYER_SETS[choice].description})"
+    return "any layers"

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hsx.layers import ANY_LAYERS, LAYER_SETS, describe_choice, sets_given
+
 if TYPE_CHECKING:
     from hsx.db.models import JobRow, WriterRow
 
@@ -45,10 +47,62 @@ class Serves:
 
     layers: str | None
     model: str | None
+    sets: tuple[str, ...] = ()  # the named layer sets it gives exactly (hsx.layers.LAYER_SETS)
 
     @classmethod
     def of(cls, layers: list[int] | None, described: dict[str, Any] | None) -> Serves:
-        return cls(layers_key(layers), model_key(described))
+        info = described or {}
+        sets = sets_given(layers, info.get("num_hidden_layers"), info.get("final_layer"))
+        return cls(layers_key(layers), model_key(described), tuple(sets))
+
+    def gives(self, wanted: str | None) -> bool:
+        """Whether it may take a job whose layers key is `wanted` (a list's key or a set's name; None:
+        any layers)."""
+        return wanted is None or self.layers is None or wanted == self.layers or wanted in self.sets
+
+
+def choice_key(choice: list[int] | str) -> str | None:
+    """The layers key a job's choice is stored as: a list's key, a set's name, None for any layers."""
+    if isinstance(choice, list):
+        return layers_key(choice)
+    return None if choice == ANY_LAYERS else choice
+
+
+def regeneration_needs(options: dict[str, Any] | None) -> tuple[bool, bool]:
+    """(whether a job's answers are regenerated, whether by sampling with a seed that must hold), from its
+    options: a seed only matters where sampling is not greedy."""
+    regenerate = (options or {}).get("regenerate")
+    if not regenerate:
+        return False, False
+    return True, regenerate.get("seed") is not None and float(regenerate.get("temperature") or 0) > 0
+
+
+def prepares(server: dict[str, Any] | None, options: dict[str, Any] | None) -> bool:
+    """Whether a writer whose server is `server` (as it reports it) may prepare a job with `options`."""
+    regenerate, seeded = regeneration_needs(options)
+    said = server or {}
+    return (not regenerate or said.get("regenerates") is True) and (not seeded or said.get("applies_seed") is True)
+
+
+REGENERATE_NEEDS = (
+    "regenerating answers needs a model server that generates them for hsx (SGLang's /generate; vLLM does not)"
+)
+SEED_NEEDS = (
+    "regenerate.seed with a temperature above 0 needs a server that applies sampling seeds: SGLang applies them "
+    "only when launched with --enable-deterministic-inference (launch it so, or leave the seed out)"
+)
+
+
+def preparing_refusal(options: dict[str, Any] | None, writers: Sequence[WriterRow]) -> str | None:
+    """Why no writer among `writers` may prepare a job with `options`; None when one may."""
+    if any(prepares(w.server, options) for w in writers):
+        return None
+    if not regeneration_needs(options)[0]:
+        return None
+    offers = "; ".join(f"{w.identity} runs {(w.server or {}).get('source')}" for w in writers)
+    if not any((w.server or {}).get("regenerates") is True for w in writers):
+        return f"{REGENERATE_NEEDS}; {offers}"
+    return f"{SEED_NEEDS}; {offers}"
 
 
 NO_WRITER = "no writer is running (start `hsx serve` or `hsx worker` with a dump root against this database)"
@@ -65,13 +119,17 @@ class Waiting:
         if not self.writers:
             return NO_WRITER
         fitting = [w for w in self.writers if _fits(_serves(w), job)]
+        if job.n_preparing and fitting:
+            refusal = preparing_refusal(job.options, fitting)
+            if refusal is not None:
+                return refusal
         if any(w.state == "ready" for w in fitting):
             return None
         if fitting:
             return "; ".join(_not_ready(w) for w in fitting)
         needs = []
         if job.layers_key is not None:
-            needs.append(f"layers [{job.layers_key.replace(',', ', ')}]")
+            needs.append(describe_choice(_choice(job.layers_key)))
         if job.model_key is not None:
             path = (job.model_info or {}).get("model_path")
             needs.append(
@@ -83,11 +141,15 @@ class Waiting:
         return f"no live worker serves this job: it needs {' and '.join(needs)}; {offers}"
 
 
-def may_take_new(w: WriterRow, layers: list[int] | None) -> bool:
-    """Whether the writer may claim the samples of a job just created with `layers` (None: any), which
-    no stored sample has tied to a model yet."""
-    wanted, mine = layers_key(layers), _serves(w).layers
-    return wanted is None or mine is None or wanted == mine
+def may_take_new(w: WriterRow, choice: list[int] | str) -> bool:
+    """Whether the writer may claim the samples of a job just created with layers `choice`, which no
+    stored sample has tied to a model yet."""
+    return _serves(w).gives(choice_key(choice))
+
+
+def _choice(key: str) -> list[int] | str:
+    """A job's layers key as the choice it stands for."""
+    return key if key in LAYER_SETS else [int(i) for i in key.split(",")]
 
 
 def _not_ready(w: WriterRow) -> str:
@@ -99,17 +161,16 @@ def _not_ready(w: WriterRow) -> str:
 
 def _serves(w: WriterRow) -> Serves:
     server = w.server or {}
-    return Serves(layers_key(server.get("layers")), server.get("model_key"))
+    return Serves(layers_key(server.get("layers")), server.get("model_key"), tuple(server.get("layer_sets") or ()))
 
 
 def _fits(serves: Serves, job: JobRow) -> bool:
-    return all(
-        wanted is None or mine is None or wanted == mine
-        for wanted, mine in ((job.layers_key, serves.layers), (job.model_key, serves.model))
-    )
+    return serves.gives(job.layers_key) and (job.model_key is None or serves.model in (None, job.model_key))
 
 
 def _offer(w: WriterRow) -> str:
+    """What a writer's server gives, and what to change there when it gives less than EAGLE-3's layers."""
     server = w.server or {}
     source = f" from {server['layers_from']}" if server.get("layers_from") else ""
-    return f"layers {server.get('layers')} of {server.get('model_path')}{source}"
+    hint = f" ({server['layers_hint']})" if server.get("layers_hint") else ""
+    return f"layers {server.get('layers')} of {server.get('model_path')}{source}{hint}"

@@ -27,7 +27,7 @@ from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError, core_schema
 
 from hsx import dtypes
-from hsx.layers import MAX_LAYER_INDEX, MAX_LAYERS, check_layers
+from hsx.layers import ANY_LAYERS, LAYER_SETS, MAX_LAYER_INDEX, MAX_LAYERS, LayerSetName, check_layers
 from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
 from hsx.sources import Source
 from hsx.states import JobState, SampleState
@@ -84,6 +84,7 @@ LAYERS_SCHEMA: JsonDict = {
             "uniqueItems": True,
             "items": {"type": "integer", "minimum": 0, "maximum": MAX_LAYER_INDEX},
         },
+        {"type": "string", "enum": [*LAYER_SETS, ANY_LAYERS]},
         {"type": "null"},
     ]
 }
@@ -281,10 +282,21 @@ class JobCreate(JobOptions):
         None,
         description="a JSONL or Parquet file (one sample per line or row) relative to the service's input root",
     )
-    layers: list[StrictInt] | None = Field(
+    layers: (
+        Annotated[
+            list[StrictInt],
+            # checked before the elements: a huge list costs one error, not one per element
+            Field(max_length=MAX_LAYERS),
+        ]
+        | LayerSetName
+        | None
+    ) = Field(
         None,
-        max_length=MAX_LAYERS,  # checked before the elements: a huge list costs one error, not one per element
-        description="captured layers the job requires, ascending; the server must capture exactly these",
+        description="what the job's trainer reads: a named set (default eagle3: "
+        + "; ".join(f"{name}: {s.description}" for name, s in LAYER_SETS.items())
+        + f"; {ANY_LAYERS}: whatever the server captures, kept from the first stored sample), or a list of layers, "
+        "ascending, the server must capture exactly. Only workers whose server gives them run the job; it waits "
+        "meanwhile, saying what it needs",
         json_schema_extra=LAYERS_SCHEMA,
     )
 
@@ -296,8 +308,8 @@ class JobCreate(JobOptions):
 
     @field_validator("layers")
     @classmethod
-    def _layers(cls, v: list[int] | None) -> list[int] | None:
-        return None if v is None else check_layers(v)
+    def _layers(cls, v: list[int] | str | None) -> list[int] | str | None:
+        return check_layers(v) if isinstance(v, list) else v
 
 
 class Counts(BaseModel):
@@ -373,7 +385,10 @@ class JobOut(BaseModel):
         description="bytes its shards will take; null when the server's shape was unknown at creation"
     )
     disk_warning: str | None = Field(description="set when the output volume looked too small at creation")
-    layers: list[int] | None
+    layers: list[int] | LayerSetName | None = Field(
+        description="what it asked for: a list of layers, or a named set (eagle3, eagle3_pre_norm, last, "
+        "last_pre_norm, any); null from a job created before jobs said it"
+    )
     model: dict[str, Any] | None
     options: JobOptions = Field(
         default_factory=lambda: JobOptions.model_validate({}),

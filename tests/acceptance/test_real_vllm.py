@@ -77,7 +77,7 @@ def test_a_job_stores_every_sample_proven_by_its_ids(tmp_path, server, model):
     svc = service(tmp_path, server, "--max-in-flight", "4")
     try:
         samples = items(30, seed=1)
-        job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"], timeout=600)
+        job = svc.wait_job(svc.post_job({"samples": samples, "layers": "eagle3_pre_norm"}).json()["id"], timeout=600)
         assert check(svc, model[1], job, samples) <= 1e-4
         writer = svc.get("/healthz").json()["writer"]
         assert writer["server"]["source"] == "vllm" and writer["server"]["identity"] == "ids"
@@ -95,7 +95,7 @@ def test_prompts_sharing_a_prefix_with_the_prefix_cache_on(tmp_path, server, mod
     try:
         shared = [random.Random(9).randrange(VOCAB) for _ in range(300)]  # more than two cache blocks
         samples = items(8, seed=2, prefix=shared)
-        job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"], timeout=600)
+        job = svc.wait_job(svc.post_job({"samples": samples, "layers": "eagle3_pre_norm"}).json()["id"], timeout=600)
         assert check(svc, model[1], job, samples) <= 1e-4
     finally:
         svc.stop()
@@ -110,7 +110,7 @@ def test_a_dump_root_the_server_does_not_write_to_is_refused_before_any_attempt(
         extra=["--source", "vllm"],
     )
     try:
-        job = svc.post_job({"samples": items(2, seed=3)}).json()
+        job = svc.post_job({"samples": items(2, seed=3), "layers": "eagle3_pre_norm"}).json()
         deadline = time.monotonic() + 60
         while not job["waiting_reason"] and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -127,7 +127,7 @@ def test_the_server_killed_and_restarted_mid_job(tmp_path, server, model):
     svc = service(tmp_path, server, "--max-in-flight", "4")
     try:
         samples = items(80, seed=4)
-        job_id = svc.post_job({"samples": samples}).json()["id"]
+        job_id = svc.post_job({"samples": samples, "layers": "eagle3_pre_norm"}).json()["id"]
         deadline = time.monotonic() + 300
         while svc.get(f"/v1/jobs/{job_id}").json()["counts"]["queued"] > len(samples) // 2:
             assert time.monotonic() < deadline, "the job made no progress"

@@ -50,7 +50,7 @@ def test_answers_without_the_plugin_end_to_end(tmp_path, database_url, checkpoin
     svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=tmp_path / "dumps")
     try:
         samples = samples_sharing_prefixes(7, seed=32)
-        job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
+        job = svc.wait_job(svc.post_job({"samples": samples, "layers": AUX}).json()["id"])
         manifest = assert_stored_exactly(svc, job, samples, recompute, layers=AUX)
         assert all(len(log) == 1 for log in attempts(svc, job, samples))
         # Stock SGLang names the model type; the layer count comes from the checkpoint's config.json.
@@ -66,6 +66,12 @@ def test_answers_without_the_plugin_end_to_end(tmp_path, database_url, checkpoin
         assert shown["state"] == "queued" and shown["counts"]["queued"] == 2, shown
         reason = shown["waiting_reason"] or ""
         assert "no live worker serves this job" in reason and "aux capture gives only the three aux layers" in reason
+        # A job that names no layers asks for EAGLE-3's four, which this server cannot give: it waits too, the
+        # reason naming the likely cause, read from the server (its aux capture on, but no plugin's dumps).
+        default = svc.post_job({"samples": make_samples(2, seed=37)}).json()
+        assert default["layers"] == "eagle3"
+        reason = svc.get(f"/v1/jobs/{default['id']}").json()["waiting_reason"] or ""
+        assert "layers eagle3" in reason and "the plugin did not load" in reason and "SGLANG_PLUGINS" in reason
     finally:
         stop_stack(svc, ref)
 
@@ -75,7 +81,7 @@ def test_last_layer_from_the_answers_of_a_server_without_aux_capture(tmp_path, c
     svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=ref.url, dump_root=tmp_path / "d")
     try:
         samples = make_samples(4, seed=34)
-        job = svc.wait_job(svc.post_job({"samples": samples}).json()["id"])
+        job = svc.wait_job(svc.post_job({"samples": samples, "layers": "last"}).json()["id"])
         assert_stored_exactly(svc, job, samples, recompute, layers=[NUM_LAYERS])
     finally:
         stop_stack(svc, ref)

@@ -241,7 +241,7 @@ def test_a_job_runs_only_on_workers_of_its_model_and_layers(tmp_path, postgres_u
         jobs = {
             "a": (random_samples("a", 12, rng, 10, 40), LAYERS),
             "b": (random_samples("b", 12, rng, 10, 40), [1, 3]),
-            "any": (random_samples("n", 12, rng, 10, 40), None),
+            "any": (random_samples("n", 12, rng, 10, 40), "any"),
             "none": (random_samples("x", 3, rng, 10, 40), [6]),
         }
         ids = {

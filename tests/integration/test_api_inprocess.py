@@ -65,7 +65,7 @@ def test_a_created_job_is_202_with_its_location_and_stored_queued(api, settings)
     assert resp.status_code == 202, resp.text
     job = resp.json()
     assert resp.headers["location"] == f"/v1/jobs/{job['id']}"
-    assert (job["object"], job["name"], job["state"], job["layers"]) == ("job", "demo", "queued", None)
+    assert (job["object"], job["name"], job["state"], job["layers"]) == ("job", "demo", "queued", "eagle3")
     assert job["counts"] == {
         "total": 2,
         "preparing": 0,

@@ -99,7 +99,7 @@ def run_and_check(
 ) -> tuple[dict[str, Any], float]:
     """A job of n samples; every stored tensor against the (float32) recomputation. Returns (job, max abs diff)."""
     items = make_items(n, seed)
-    job = svc.wait_job(svc.post_job({"samples": items}).json()["id"], timeout=600)
+    job = svc.wait_job(svc.post_job({"samples": items, "layers": layers}).json()["id"], timeout=600)
     return job, check_stored(svc, m, job, items, layers, dtype)
 
 

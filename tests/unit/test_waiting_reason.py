@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from hsx.matching import NO_WRITER, Waiting
 
-JOB = SimpleNamespace(layers_key=None, model_key=None, model_info=None)
+JOB = SimpleNamespace(layers_key=None, model_key=None, model_info=None, n_preparing=0, options=None)
 
 
 def writer(identity: str, state: str, reason: str | None) -> SimpleNamespace:

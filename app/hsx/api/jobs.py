@@ -26,7 +26,7 @@ from hsx.api.downloads import FileDownload, none_match, wanted_ranges
 from hsx.api.params import JobCursor, JobId, NameQuery, OptionsQuery, SampleCursor, SampleIdPath, ShardName
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
 from hsx.extraction import Writer
-from hsx.layers import check_layers, parse_layers
+from hsx.layers import ANY_LAYERS, DEFAULT_LAYER_SET, LAYER_SETS, check_layers, parse_layers
 from hsx.names import shown
 from hsx.service import jobs as service
 from hsx.service import queries
@@ -118,7 +118,13 @@ async def create_job(
     backend: BackendDep,
     writer: WriterDep,
     name: NameQuery = None,
-    layers: Annotated[str | None, Query(description="comma-separated layers (NDJSON bodies only)")] = None,
+    layers: Annotated[
+        str | None,
+        Query(
+            description="a named layer set (eagle3, the default; eagle3_pre_norm, last, last_pre_norm, any) or "
+            "comma-separated layers, as JobCreate's `layers` (NDJSON bodies only)"
+        ),
+    ] = None,
     options: OptionsQuery,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobOut:
@@ -165,9 +171,12 @@ def _media_type(content_type: str) -> str:
     return media
 
 
-def _layer_list(layers: str | None) -> list[int] | None:
+def _layer_list(layers: str | None) -> list[int] | str:
+    """The `layers` query parameter: a named set, or comma-separated layers; the default set when absent."""
     if layers is None:
-        return None
+        return DEFAULT_LAYER_SET
+    if layers in LAYER_SETS or layers == ANY_LAYERS:
+        return layers
     try:
         return check_layers(parse_layers(layers))
     except ValueError as exc:

@@ -96,6 +96,11 @@ class Capture:
     dtype: str | None = None  # the rows' dtype, where the server says it before a dump
     # What each dump will prove (hsx.identity) as far as the server says before the first one; None: not said.
     identity: Identity | None = None
+    # What to change on the server when it gives less than EAGLE-3's layers (a plugin that did not load,
+    # flags left out), as far as the server's own answers tell; shown where a job waits for other layers.
+    hint: str | None = None
+    # Whether the server applies a request's sampling seed (SGLang only with --enable-deterministic-inference).
+    applies_seed: bool = False
 
 
 @dataclass(eq=False)

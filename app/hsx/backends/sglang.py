@@ -164,6 +164,12 @@ class Said:
         return self.server_info.get("hs_dump") or None
 
     @property
+    def applies_seed(self) -> bool:
+        """Whether a request's sampling_seed is applied: SGLang 0.5.23 reads it only when launched with
+        --enable-deterministic-inference (sampling_batch_info.py); otherwise each run samples anew."""
+        return self.server_info.get("enable_deterministic_inference") is True
+
+    @property
     def returns_rows(self) -> bool:
         """Whether the server can answer every prompt row (SGLang's hidden-states mode `full`)."""
         mode = self.server_info.get("return_hidden_states_mode")

@@ -671,7 +671,10 @@ function stats(j) {
     item("Finished", fmt.when(j.finished_at)),
     item("Shards written", fmt.count(j.shards_written)),
     item("Estimated size", fmt.bytes(j.estimated_bytes)),
-    item("Layers", j.layers ? j.layers.join(", ") : "the server's"),
+    item(
+      "Layers",
+      Array.isArray(j.layers) ? j.layers.join(", ") : j.layers && j.layers !== "any" ? j.layers : "the server's",
+    ),
     item("Encoding", ENCODINGS[j.options?.encoding ?? "raw"] ?? j.options.encoding),
     j.model?.model_path && item("Model", h("span", { class: "mono" }, j.model.model_path)),
   );

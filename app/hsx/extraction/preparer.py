@@ -32,12 +32,12 @@ from hsx.chat.formats import ConversationError, Message
 from hsx.chat.process import RenderedIds, RenderFailed, TemplateFacts, TemplateProcess
 from hsx.chat.regenerate import RegenerationError, Sampling, regenerate
 from hsx.chat.render import ChatTemplateError
-from hsx.config import Settings
+from hsx.config import Settings, tokenizer_within_roots
 from hsx.db import repository as repo
 from hsx.extraction.database import Database
 from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.server_watch import ServerWatch
-from hsx.matching import Serves
+from hsx.matching import Serves, prepares
 from hsx.states import JobState, SampleState
 from hsx.wire import NO_LOSS_TOKENS, JobOptions
 
@@ -135,11 +135,16 @@ class Preparer:
         # What model the server runs (whose template, which jobs), as the request loops last checked it:
         # the preparer never checks the server itself, whose verdict those loops report.
         model_key = Serves.of(self.server.layers, self.server.model_info).model
+        said = {"regenerates": self.server.regenerates, "applies_seed": self.server.applies_seed}
         for job_id, raw in self.db.run(lambda s: repo.jobs_to_prepare(s, model_key)):
+            if not prepares(said, raw):
+                continue  # its answers need a server that generates them (with its seed): the job says so
             options = JobOptions.model_validate(raw or {})
             folder = options.tokenizer or self._model_path()
             if folder is None:
                 continue  # the server has not said its model yet
+            if not self._may_load(job_id, folder):
+                continue
             abort = _JobAbort(self.stop, self.db, job_id)
             facts = self._template_facts(job_id, folder, abort)
             if facts is None:
@@ -189,6 +194,21 @@ class Preparer:
         self.finisher.finish(job_id)
         return None
 
+    def _may_load(self, job_id: str, folder: str) -> bool:
+        """Whether this writer may load the job's tokenizer folder: its server's model path, or a folder
+        under --tokenizer-roots with its symbolic links followed (the API checked the text only). A job
+        that names another fails, saying the same whether or not the folder exists."""
+        if folder == self._model_path() or tokenizer_within_roots(folder, self.settings.tokenizer_root_list()):
+            return True
+        reason = (
+            f"tokenizer: {folder} is neither this writer's model path nor under its --tokenizer-roots "
+            "(symbolic links followed)"
+        )
+        log.warning("job %s: %s", job_id, reason)
+        self.db.run(lambda s: repo.fail_job(s, job_id, reason))
+        self.finisher.finish(job_id)
+        return False
+
     def _model_path(self) -> str | None:
         path = self.server.model_info.get("model_path")
         return str(path) if path else None
@@ -232,11 +252,11 @@ class Preparer:
         or failed; skipped as well when no token of it is left for the loss (a trainer would learn
         nothing from it)."""
         n = len(rendered.input_ids)
-        limit = options.max_length
+        limit, which = self._length_limit(options)
         ids, mask = rendered.input_ids, rendered.loss_mask
         truncated_from = None
         if limit is not None and n > limit:
-            why = f"too_long: {n} tokens exceed max_length of {limit}"
+            why = f"too_long: {n} tokens exceed {which} of {limit}"
             if options.length_policy == "skip":
                 return repo.Prepared(pk, SampleState.SKIPPED, reason=why, conversation=conversation)
             if options.length_policy == "reject":
@@ -250,6 +270,14 @@ class Preparer:
             )
             return repo.Prepared(pk, SampleState.SKIPPED, reason=why, conversation=conversation)
         return _queued(pk, ids, mask, conversation, truncated_from)
+
+    def _length_limit(self, options: JobOptions) -> tuple[int | None, str]:
+        """The most tokens a sample may keep, and what sets it: the job's max_length or the model server's
+        limit, whichever is less (a longer prompt would only be refused by the server)."""
+        server = self.server.limits.max_tokens
+        if server is not None and (options.max_length is None or server < options.max_length):
+            return server, "the model server's limit"
+        return options.max_length, "max_length"
 
     async def _regenerate(
         self,
@@ -294,7 +322,8 @@ class Preparer:
     ) -> repo.Prepared | None:
         """One sample regenerated and fitted to the job's length policy; None when stopped (aborted)."""
         try:
-            new = await regenerate(client, renderer, _messages(item), sampling, options.loss, options.max_length)
+            limit, _ = self._length_limit(options)
+            new = await regenerate(client, renderer, _messages(item), sampling, options.loss, limit)
         except RenderFailed as exc:
             return None if exc.code == "aborted" else _failed(item.pk, exc)
         except ConversationError as exc:

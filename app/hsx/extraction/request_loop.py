@@ -33,6 +33,7 @@ from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
 from hsx.extraction.server_watch import ServerWatch
 from hsx.extraction.status import StatusReport
+from hsx.layers import LAYER_SETS
 from hsx.matching import Serves
 
 log = logging.getLogger("hsx.writer")
@@ -147,7 +148,9 @@ class RequestLoop:
         rid = f"{engine.capture.rid_prefix}{c.job_id}-{c.idx}-t{c.try_number}"
         info = c.job_model_info or {}
         expect = Expectation(
-            layers=info.get("layers", c.job_layers), hidden_size=info.get("hidden_size"), dtype=info.get("dtype")
+            layers=info.get("layers", c.job_layers or self._set_layers(c.job_layers_key)),
+            hidden_size=info.get("hidden_size"),
+            dtype=info.get("dtype"),
         )
         started = time.monotonic()
         try:
@@ -215,6 +218,13 @@ class RequestLoop:
         # Only after the commit: a flush that started before it must not have swallowed this sample.
         self.flusher.staged(c.job_id, c.sample_pk, dump.nbytes)
         return queued
+
+    def _set_layers(self, key: str | None) -> list[int] | None:
+        """The layers a job asking for a named set needs from this worker's model (its dumps are checked
+        against them); None for a job that asks for any."""
+        chosen = LAYER_SETS.get(key or "")
+        num_layers = self.server.model_info.get("num_hidden_layers")
+        return chosen.layers(num_layers) if chosen is not None and isinstance(num_layers, int) else None
 
     def _sweep(self, engine: Engine) -> None:
         """Remove what requests that were never read left in the root (their answer lost to a

@@ -20,7 +20,7 @@ from hsx.backends.http import BackendRejected, BackendUnavailable
 from hsx.config import Settings
 from hsx.extraction.backoff import Backoff
 from hsx.identity import Identity
-from hsx.matching import model_key
+from hsx.matching import Serves, model_key
 
 log = logging.getLogger("hsx.writer")
 
@@ -60,6 +60,12 @@ class ServerWatch:
     @property
     def usable(self) -> bool:
         return self.engine is not None
+
+    @property
+    def applies_seed(self) -> bool:
+        """Whether the server as last checked applies a request's sampling seed (Capture.applies_seed)."""
+        engine = self.engine
+        return engine is not None and engine.regenerates and engine.capture.applies_seed
 
     @property
     def regenerates(self) -> bool:
@@ -159,6 +165,14 @@ class ServerWatch:
             "layers": self.layers,
             "layers_from": capture.layers_from,
             "identity": self.identity,
+            # The named layer sets it gives (jobs asking for one match on it), which side of the final norm its
+            # layer L lies, and what to change when it gives less than EAGLE-3's layers.
+            "layer_sets": list(Serves.of(self.layers, self.model_info).sets),
+            "final_layer": capture.model.get("final_layer") or "post_norm",
+            "layers_hint": capture.hint,
+            # Whether conversations' answers can be regenerated here, with a seed that holds.
+            "regenerates": engine.regenerates,
+            "applies_seed": engine.regenerates and capture.applies_seed,
             # What the server accepts; registered with the writer, where an API checks samples against it.
             "vocab_size": self.limits.vocab_size,
             "max_prompt_tokens": self.limits.max_tokens,

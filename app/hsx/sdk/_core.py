@@ -126,7 +126,7 @@ class Calls:
         samples: list[dict[str, Any]] | None,
         input_path: str | os.PathLike[str] | None,
         name: str | None,
-        layers: list[int] | None,
+        layers: list[int] | str | None,
         idempotency_key: str | None,
         options: Options = None,
     ) -> Call[Job]:

@@ -97,7 +97,7 @@ class AsyncHsxClient:
         *,
         input_path: str | None = None,
         name: str | None = None,
-        layers: list[int] | None = None,
+        layers: list[int] | str | None = None,
         idempotency_key: str | None = None,
         options: Options = None,
     ) -> Job:
@@ -108,7 +108,7 @@ class AsyncHsxClient:
         source: str | os.PathLike[str] | IO[bytes],
         *,
         name: str | None = None,
-        layers: list[int] | None = None,
+        layers: list[int] | str | None = None,
         idempotency_key: str | None = None,
         chunk_size: int = 1 << 16,
         progress: BytesSent | None = None,

@@ -95,15 +95,16 @@ class HsxClient:
         *,
         input_path: str | None = None,
         name: str | None = None,
-        layers: list[int] | None = None,
+        layers: list[int] | str | None = None,
         idempotency_key: str | None = None,
         options: Options = None,
     ) -> Job:
         """Create a job from inline samples ({"id"?, "input_ids", "loss_mask"?}, or a conversation: {"id"?,
         "messages": [...]} / ShareGPT {"id"?, "conversations": [...]}) or from a JSONL or Parquet file under the
-        service's input root (`input_path`). `options`: the job's max_length, length_policy, on_invalid, loss,
-        tokenizer and regenerate (hsx.wire.JobOptions, or a dict of them). Repeating a request with the same
-        `idempotency_key` returns the first job."""
+        service's input root (`input_path`). `layers`: a named set ("eagle3", the default; "eagle3_pre_norm",
+        "last", "last_pre_norm", "any") or a list of layers. `options`: the job's max_length, length_policy,
+        on_invalid, loss, tokenizer and regenerate (hsx.wire.JobOptions, or a dict of them). Repeating a request
+        with the same `idempotency_key` returns the first job."""
         return self._send(Calls.create_job(samples, input_path, name, layers, idempotency_key, options))
 
     def submit_jsonl(
@@ -111,7 +112,7 @@ class HsxClient:
         source: str | os.PathLike[str] | IO[bytes],
         *,
         name: str | None = None,
-        layers: list[int] | None = None,
+        layers: list[int] | str | None = None,
         idempotency_key: str | None = None,
         chunk_size: int = 1 << 16,
         progress: BytesSent | None = None,

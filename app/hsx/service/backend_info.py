@@ -60,7 +60,7 @@ class BackendInfo:
             return self._limits
 
 
-def job_limits(backend: BackendInfo, sessions: sessionmaker[Session], layers: list[int] | None) -> Limits:
+def job_limits(backend: BackendInfo, sessions: sessionmaker[Session], layers: list[int] | str) -> Limits:
     """What a new job asking for `layers` checks its samples against (see the module's docstring)."""
     server = backend.limits()
     with sessions() as session:

@@ -426,7 +426,7 @@ def store(
     limits: Limits,
     *,
     name: str | None,
-    layers: list[int] | None,
+    layers: list[int] | str,
     idempotency_key: str | None,
     request_sha256: str,
     disk: DiskCheck | None,
@@ -441,7 +441,9 @@ def store(
         request_sha256=request_sha256,
         options=None if options is None or options.is_default() else options.model_dump(exclude_defaults=True),
     )
-    per_token = limits.bytes_per_token(layers, options.encoding if options is not None else "raw")
+    # A named set's layers are the server's when it gives that set (else the job waits for one that does).
+    listed = layers if isinstance(layers, list) else None
+    per_token = limits.bytes_per_token(listed, options.encoding if options is not None else "raw")
     # A conversation's tokens are known once it is rendered: such a job's size is unknown now.
     if per_token is not None and not spool.preparing:
         estimated = per_token * spool.tokens

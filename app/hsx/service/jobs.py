@@ -19,7 +19,9 @@ from hsx.config import Settings, tokenizer_refusal
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow, ShardRow
 from hsx.extraction.finishing import finish_job
+from hsx.layers import DEFAULT_LAYER_SET
 from hsx.manifest import MANIFEST_NAME, Manifest, build_manifest, job_dir
+from hsx.matching import SEED_NEEDS, preparing_refusal
 from hsx.names import shown
 from hsx.service import intake, json_body
 from hsx.service.backend_info import BackendInfo, job_limits
@@ -76,7 +78,9 @@ def create_job(
             return _replayed(existing, digest.hexdigest())
     options = JobOptions.model_validate(request.model_dump(include=set(JobOptions.model_fields)))
     check_tokenizer(sessions, settings, options)
-    limits = job_limits(backend, sessions, request.layers)
+    check_regenerate(sessions, options)
+    layers = request.layers if request.layers is not None else DEFAULT_LAYER_SET
+    limits = job_limits(backend, sessions, layers)
     ingest = intake.Ingest(limits, options)
     try:
         if request.input_path is not None:
@@ -97,7 +101,7 @@ def create_job(
             settings,
             ingest,
             name=request.name,
-            layers=request.layers,
+            layers=layers,
             idempotency_key=idempotency_key,
             request_sha256=digest.hexdigest(),
         )
@@ -111,7 +115,7 @@ async def create_job_from_ndjson(
     settings: Settings,
     backend: BackendInfo,
     name: str | None,
-    layers: list[int] | None,
+    layers: list[int] | str,
     idempotency_key: str | None,
     body: AsyncIterable[bytes],
     options: JobOptions | None = None,
@@ -129,6 +133,7 @@ async def create_job_from_ndjson(
                 digest.update(chunk)
             return _replayed(existing, digest.hexdigest())
     await run_sync(check_tokenizer, sessions, settings, options)
+    await run_sync(check_regenerate, sessions, options)
     limits = await run_sync(job_limits, backend, sessions, layers)
     ingest = intake.Ingest(limits, options)
     try:
@@ -168,6 +173,20 @@ async def create_job_from_ndjson(
         ingest.close()
 
 
+def check_regenerate(sessions: sessionmaker[Session], options: JobOptions) -> None:
+    """A job that regenerates answers is refused when live writers run and none of them may (their server
+    does not generate for hsx, or ignores the seed the job samples with); with none running it waits, saying
+    what it needs (hsx.matching.Waiting)."""
+    if options.regenerate is None:
+        return
+    with sessions() as session:
+        writers = repo.present_writers(session)
+    why = preparing_refusal(options.model_dump(mode="json"), writers) if writers else None
+    if why is not None:
+        field = "regenerate.seed" if why.startswith(SEED_NEEDS) else "regenerate"
+        raise InvalidInput([{"field": field, "message": why}])
+
+
 def check_tokenizer(sessions: sessionmaker[Session], settings: Settings, options: JobOptions) -> None:
     """A job's `tokenizer`, when it names one, must be a folder under the tokenizer roots or the model
     path a live writer's server reports (hsx.config.tokenizer_refusal); InvalidInput otherwise."""
@@ -186,7 +205,7 @@ def _store(
     ingest: intake.Ingest,
     *,
     name: str | None,
-    layers: list[int] | None,
+    layers: list[int] | str,
     idempotency_key: str | None,
     request_sha256: str,
 ) -> JobRow:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from hsx.db import repository as repo
 from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
+from hsx.layers import ANY_LAYERS, LAYER_SETS, LayerSetName
 from hsx.states import JobState
 from hsx.wire import (
     AttemptOut,
@@ -75,11 +76,16 @@ def job_out(job: JobRow, waiting: str | None = None, attempts: list[tuple[str, s
         shards_written=job.shards_written,
         estimated_bytes=job.estimated_bytes,
         disk_warning=job.disk_warning,
-        layers=job.layers,
+        layers=job.layers if job.layers is not None else _layer_set(job.layers_key),
         model=job.model_info,
         options=JobOptions.model_validate(job.options or {}),
         manifest_url=f"/v1/jobs/{job.id}/manifest",
     )
+
+
+def _layer_set(key: str | None) -> LayerSetName:
+    """The named set a job without a layer list asked for; any for one that asked for whatever is captured."""
+    return cast(LayerSetName, key) if key in LAYER_SETS else ANY_LAYERS
 
 
 # Outcomes of an attempt that spent the sample's budget for a reason.

@@ -44,7 +44,7 @@ class AnswersEngine(SGLangEngine):
         said.check_whole_prompts()
         if auto and (said.described_dumps is not None or said.plugin_info is not None or not said.returns_rows):
             return None
-        return cls(server, _capture(said))
+        return cls(server, _capture(said, server))
 
     def extract(self, input_ids: list[int], *, rid: str, staged_name: str, expect: Expectation) -> Dump:
         n, width = len(input_ids), len(self.layers) * self.hidden_size
@@ -77,7 +77,7 @@ class AnswersEngine(SGLangEngine):
         )
 
 
-def _capture(said: Said) -> Capture:
+def _capture(said: Said, server: Server) -> Capture:
     server_info, model_info = said.server_info, said.model_info
     if not said.returns_rows:
         raise CaptureProblem(
@@ -100,9 +100,19 @@ def _capture(said: Said) -> Capture:
         layers_from = (
             "the server's answers (aux capture gives only the three aux layers; the plugin's dumps add layer L)"
         )
+        hint = (
+            f"its aux capture is on, but no hsx-sglang plugin described its dumps in {server.root.path}: the plugin "
+            "did not load (SGLANG_PLUGINS must name it exactly, hsx_dump; SGLang's log says 'hsx-sglang: active' "
+            "when it loads) or its HSX_DUMP_ROOT is not this writer's --dump-root; without it the answers hold "
+            "only the three aux layers, not layer L"
+        )
     else:
         layers = [num_layers]
         layers_from = "the server's answers (without aux capture only layer L, after the final norm)"
+        hint = (
+            "it returns layer L only (--enable-return-hidden-states): EAGLE-3's aux layers need "
+            "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 and the hsx-sglang plugin"
+        )
     return Capture(
         layers=layers,
         model=describe_model(model_info, server_info),
@@ -110,6 +120,8 @@ def _capture(said: Said) -> Capture:
         hidden_size=hidden_size,
         dtype=_model_dtype(server_info, config),
         identity=Identity.RESPONSE,
+        hint=hint,
+        applies_seed=said.applies_seed,
     )
 
 

@@ -33,10 +33,11 @@ from hsx.sources import Source
 class DumpsEngine(SGLangEngine):
     source = Source.DUMPS
 
-    def __init__(self, server: Server, capture: Capture, *, plugin: bool = False):
+    def __init__(self, server: Server, capture: Capture, *, plugin: bool = False, flags_hint: str = ""):
         super().__init__(server, capture)
         self.root = server.root
         self.plugin = plugin  # the dumps are the hsx-sglang plugin's
+        self._flags_hint = flags_hint  # why a stock server might write no dumps at all, said after a failed probe
 
     @classmethod
     def of(cls, server: Server, said: Said, *, auto: bool) -> DumpsEngine:
@@ -56,8 +57,9 @@ class DumpsEngine(SGLangEngine):
             name_by=name_by,
             boot_id=dump.get("boot_id"),
             identity=_said_identity(dump, name_by),
+            applies_seed=said.applies_seed,
         )
-        return cls(server, capture)
+        return cls(server, capture, flags_hint="" if described else _flags_hint(said))
 
     @property
     def by_rid(self) -> bool:
@@ -122,13 +124,28 @@ class DumpsEngine(SGLangEngine):
 
     def probe_hint(self) -> str:
         if not self.plugin:
-            return ""
+            return self._flags_hint
         return (
             f"; {PLUGIN_INFO_FILE} in the dump root describes the hsx-sglang plugin, but it did not dump the "
             "probe: the file may be left from an earlier launch, or the plugin did not load in this one (the "
             "server's log says 'Failed to load plugin'); start the server with the plugin (SGLANG_PLUGINS="
             f"hsx_dump, HSX_DUMP_ROOT), or remove {PLUGIN_INFO_FILE} to use the server's answers"
         )
+
+
+def _flags_hint(said: Said) -> str:
+    """What a failed probe may mean on a server that neither describes dumps nor has the plugin's file: a
+    stock SGLang whose hidden-state options are all off writes nothing and returns no rows."""
+    info = said.server_info
+    if any(info.get(flag) for flag in ("enable_return_aux_hidden_states", "enable_return_hidden_states")):
+        return ""
+    if not {"enable_return_aux_hidden_states", "enable_return_hidden_states"} & info.keys():
+        return ""  # not an SGLang that says its options: a patched server writes dumps without them
+    return (
+        "; the server's /get_server_info says both hidden-state options are off (enable_return_aux_hidden_states, "
+        "enable_return_hidden_states): launch it with --enable-return-aux-hidden-states --speculative-algorithm "
+        "EAGLE3 and the hsx-sglang plugin (SGLANG_PLUGINS=hsx_dump, HSX_DUMP_ROOT set to this writer's --dump-root)"
+    )
 
 
 def _said_identity(described: dict[str, Any], name_by: str) -> Identity | None:
@@ -157,4 +174,5 @@ def _plugin_capture(said: Said, model: dict[str, Any], server: Server) -> Captur
         rid_prefix=str(info.get("rid_prefix") or DEFAULT_RID_PREFIX),
         boot_id=info.get("boot_id"),
         identity=Identity.RID,
+        applies_seed=said.applies_seed,
     )

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, add_quiet, follow, outcome, print_json, run
 from hsx.cli.progress import PROGRESS_NOTE, progress
-from hsx.layers import layers_arg
+from hsx.layers import ANY_LAYERS, DEFAULT_LAYER_SET, LAYER_SETS, layer_choice_arg
 from hsx.wire import Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy, RegenerateOptions
 
 if TYPE_CHECKING:
@@ -56,7 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-path", help="a JSONL file under the service's input root, read by the service")
     parser.add_argument("--name", help="job name")
     parser.add_argument(
-        "--layers", type=layers_arg, help="layers the job requires, e.g. 2,4,5,8 (default: the server's)"
+        "--layers",
+        type=layer_choice_arg,
+        metavar="SET|LIST",
+        help=f"what the job's trainer reads: a named set ({', '.join([*LAYER_SETS, ANY_LAYERS])}; default "
+        f"{DEFAULT_LAYER_SET}: EAGLE-3's three aux layers and the last after the final norm, for SpecForge and "
+        "Model Optimizer; eagle3_pre_norm for vLLM speculators) or layers such as 2,4,5,8; the job runs only on "
+        "workers whose server gives them, and says what it waits for",
     )
     parser.add_argument("--idempotency-key", help="repeating a submission with the same key returns the first job")
     add_policy_arguments(parser)

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from hsx.db.models import AttemptCountRow, AttemptRow, JobRow, SampleRow, ShardRow, ThroughputRow
 from hsx.db.repository._base import rowcount, utcnow
 from hsx.db.repository.transitions import ALL, lock_job, transition
-from hsx.matching import Serves, layers_key
+from hsx.matching import Serves, choice_key, layers_key
 from hsx.names import JOB_ID_FORM
 from hsx.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState, SampleState
 
@@ -79,7 +79,7 @@ class JobBuilder:
         session: Session,
         *,
         name: str | None,
-        layers: list[int] | None,
+        layers: list[int] | str | None,
         idempotency_key: str | None = None,
         request_sha256: str | None = None,
         options: dict[str, Any] | None = None,
@@ -90,8 +90,8 @@ class JobBuilder:
             name=name,
             state=JobState.QUEUED,
             created_at=utcnow(),
-            layers=layers,
-            layers_key=layers_key(layers),
+            layers=layers if isinstance(layers, list) else None,
+            layers_key=None if layers is None else choice_key(layers),
             options=options or None,
             idempotency_key=idempotency_key,
             request_sha256=request_sha256,
@@ -172,7 +172,9 @@ class JobBuilder:
         return self.job
 
 
-def create_job(session: Session, *, name: str | None, layers: list[int] | None, samples: list[NewSample]) -> JobRow:
+def create_job(
+    session: Session, *, name: str | None, layers: list[int] | str | None, samples: list[NewSample]
+) -> JobRow:
     """Insert a job and all its samples, queued, in the caller's transaction."""
     builder = JobBuilder(session, name=name, layers=layers)
     for start in range(0, len(samples), 5000):

@@ -8,7 +8,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, Update, bindparam, case, exists, func, insert, or_, select, update
+from sqlalchemy import (
+    BindParameter,
+    ColumnElement,
+    Select,
+    Update,
+    bindparam,
+    case,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from hsx.db.models import AttemptRow, SampleRow
@@ -35,6 +48,7 @@ class Claimed:
     attempt_pk: int
     job_layers: list[int] | None
     job_model_info: dict[str, Any] | None
+    job_layers_key: str | None  # the layers it asks for: a list's key, a set's name, None for any
     queued_left: int = 0  # the job's samples still queued after this claim
 
 
@@ -52,7 +66,13 @@ def claim_next(session: Session, writer: str, serves: Serves | None = None) -> C
     serves = serves or Serves(None, None)
     statements = _claim(dialect_of(session), serves.layers is not None, serves.model is not None)
     now = utcnow()
-    params = {"p_writer": writer, "p_now": now, "p_layers": serves.layers, "p_model": serves.model}
+    params = {
+        "p_writer": writer,
+        "p_now": now,
+        "p_layers": serves.layers,
+        "p_sets": list(serves.sets),
+        "p_model": serves.model,
+    }
     job_id = session.execute(statements.job, params).scalar()
     if job_id is None:
         return None
@@ -78,6 +98,7 @@ def claim_next(session: Session, writer: str, serves: Serves | None = None) -> C
         attempt_pk,
         job.layers,
         job.model_info,
+        job.layers_key,
         job.n_queued,
     )
 
@@ -95,9 +116,14 @@ def _claim(dialect: str, by_layers: bool, by_model: bool) -> _ClaimStatements:
     # The queued rows themselves, not the n_queued counter, say whether a job has work: a job can
     # never be picked for nothing while another waits.
     has_queued = exists().where(SAMPLES.c.job_id == JOBS.c.id, SAMPLES.c.state == SampleState.QUEUED)
-    keys = ((JOBS.c.layers_key, "p_layers", by_layers), (JOBS.c.model_key, "p_model", by_model))
-    # hsx.matching: jobs of no key yet, or of the worker's own
-    runs_on = [or_(column.is_(None), column == bindparam(param)) for column, param, wanted in keys if wanted]
+    # hsx.matching: jobs of no key yet, or of the worker's own (its layers' key, or a layer set it gives)
+    runs_on = []
+    if by_layers:
+        key = JOBS.c.layers_key
+        sets: BindParameter[list[str]] = bindparam("p_sets", expanding=True)
+        runs_on.append(or_(key.is_(None), key == bindparam("p_layers"), key.in_(sets)))
+    if by_model:
+        runs_on.append(or_(JOBS.c.model_key.is_(None), JOBS.c.model_key == bindparam("p_model")))
     job = (
         select(JOBS.c.id)
         .where(JOBS.c.state.in_((JobState.QUEUED, JobState.RUNNING)), *runs_on, has_queued)
@@ -147,7 +173,7 @@ def _claim(dialect: str, by_layers: bool, by_model: bool) -> _ClaimStatements:
             state=case((first, JobState.RUNNING), else_=JOBS.c.state),
             started_at=case((first, now_param()), else_=JOBS.c.started_at),
         )
-        .returning(JOBS.c.n_queued, JOBS.c.layers, JOBS.c.model_info)
+        .returning(JOBS.c.n_queued, JOBS.c.layers, JOBS.c.layers_key, JOBS.c.model_info)
     )
     attempt = (
         insert(ATTEMPTS)

@@ -159,7 +159,7 @@ def live_writers(session: Session) -> list[WriterRow]:
 _GONE = ("stopped", "lost")
 
 
-def writer_limits(session: Session, layers: list[int] | None) -> tuple[int | None, int | None]:
+def writer_limits(session: Session, layers: list[int] | str) -> tuple[int | None, int | None]:
     """(vocabulary size, longest prompt) a new job's samples must keep to: the tightest among the live
     writers that may run it (those whose server gives its `layers`, when it asks for some), each as
     its server said at its last heartbeat; None where none of them says. A job is not yet pinned to a
@@ -168,6 +168,11 @@ def writer_limits(session: Session, layers: list[int] | None) -> tuple[int | Non
     vocab = min((w.vocab_size for w in fitting if w.vocab_size is not None), default=None)
     longest = min((w.max_prompt_tokens for w in fitting if w.max_prompt_tokens is not None), default=None)
     return vocab, longest
+
+
+def present_writers(session: Session) -> list[WriterRow]:
+    """The live writers that are not stopped or lost: those that may take a new job's samples."""
+    return [w for w in live_writers(session) if w.state not in _GONE]
 
 
 def reported_model_paths(session: Session) -> set[str]:
