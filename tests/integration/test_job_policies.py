@@ -58,6 +58,27 @@ def test_max_length_truncates_keeping_the_first_tokens_and_their_mask(api):
     assert sample["expected_tokens"] == 3
 
 
+def test_a_cut_sample_says_so_and_one_left_without_loss_tokens_is_skipped(api):
+    body = {
+        "max_length": 3,
+        "length_policy": "truncate",
+        "samples": [
+            {"id": "cut", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 1, 0, 1, 1]},
+            {"id": "whole", "input_ids": [9, 8]},
+            {"id": "no-loss", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 0, 1]},
+        ],
+    }
+    job = created(api.post("/v1/jobs", json=body))
+    assert (job["counts"]["queued"], job["counts"]["skipped"], job["counts"]["truncated"]) == (2, 1, 1)
+    samples = samples_of(api, job["id"])
+    assert (samples["cut"]["truncated_from"], samples["cut"]["expected_tokens"]) == (5, 3)
+    assert samples["whole"]["truncated_from"] is None
+    assert samples["no-loss"]["state"] == "skipped"
+    assert (
+        samples["no-loss"]["last_error"] == "no_loss_tokens: cut from 4 to 3 tokens, no token of the loss mask is left"
+    )
+
+
 def test_max_length_skip_counts_the_sample_skipped_with_its_reason(api):
     body = {
         "max_length": 2,
