@@ -35,31 +35,33 @@ PREFILL_TARGET = f"{PROCESSOR_CLASS}.process_batch_result_prefill"
 AUX_CAPTURE_METHOD = "eagle3"  # SGLang's name for `--speculative-algorithm EAGLE3` in aux-capture mode
 
 
-def _heard() -> None:
-    """Make the plugin's lines reach the server's log. SGLang loads plugins before it configures logging, so
-    an INFO line (the one saying whether the plugin is active) would meet no handler and be dropped: where
-    nothing handles the plugin's logger yet, it gets a handler of its own on stderr."""
-    if log.hasHandlers():
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False  # said once, whatever SGLang's own handlers become
+def _start_line() -> logging.Logger:
+    """The logger of the one line saying at start whether the plugin is active. SGLang loads plugins with
+    its own logging set up or not yet, at a level that may drop an INFO line: this logger writes to stderr
+    itself, whatever SGLang's handlers and levels are, and only this line goes through it."""
+    said = logging.getLogger("hsx_sglang.start")
+    if not said.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
+        said.addHandler(handler)
+        said.setLevel(logging.INFO)
+        said.propagate = False
+    return said
 
 
 def register() -> None:
     """Entry point of the `sglang.srt.plugins` group. Logs one line saying whether the plugin is active."""
-    _heard()
     try:
         settings = settings_from_env(os.environ)
     except SettingsError as exc:
         log.error("hsx-sglang: %s; idle, no dumps", exc)
         return
     if settings is None:
-        log.warning("hsx-sglang: HSX_DUMP_ROOT is not set; idle, no hooks registered, no dumps")
+        _start_line().warning("hsx-sglang: HSX_DUMP_ROOT is not set; idle, no hooks registered, no dumps")
         return
-    log.info("hsx-sglang: active, dumps to %s once the model is loaded (pid %d)", settings.dump_root, os.getpid())
+    _start_line().info(
+        "hsx-sglang: active, dumps to %s once the model is loaded (pid %d)", settings.dump_root, os.getpid()
+    )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     hooks = SchedulerHooks(settings, shared_boot_id(os.environ))
