@@ -306,10 +306,22 @@ class JobCreate(JobOptions):
             raise ValueError("give exactly one of samples or input_path")
         return self
 
-    @field_validator("layers")
+    @field_validator("layers", mode="before")
     @classmethod
-    def _layers(cls, v: list[int] | str | None) -> list[int] | str | None:
-        return check_layers(v) if isinstance(v, list) else v
+    def _layers_shape(cls, v: Any) -> Any:
+        """One error under `layers` for any bad shape: left to the union, pydantic would report each of
+        its branches (the list's and the names'), a huge list's elements each."""
+        if v is None or (isinstance(v, str) and v in (*LAYER_SETS, ANY_LAYERS)):
+            return v
+        if not isinstance(v, list):
+            raise ValueError(f"expected a layer set ({', '.join([*LAYER_SETS, ANY_LAYERS])}) or a list of layers")
+        if len(v) > MAX_LAYERS:
+            raise ValueError(f"layers must list at most {MAX_LAYERS} layers, each at most {MAX_LAYER_INDEX}")
+        v = _integers(v)  # 3.0 is an integer, as parse_body reads it elsewhere
+        bad = next((i for i, x in enumerate(v) if type(x) is not int), None)
+        if bad is not None:
+            raise ValueError(f"layers must be integers; element {bad} is {type(v[bad]).__name__}")
+        return check_layers(v)
 
 
 class Counts(BaseModel):

@@ -154,20 +154,34 @@ class Preparer:
             batch = self.db.run(lambda s, j=job_id: repo.claim_preparing(s, j, self.identity, BATCH))  # type: ignore[misc]
             if not batch:
                 continue
-            self.health.set("preparing")
-            try:
-                results = self._prepare(batch, folder, facts, options, abort)
-                self._store(job_id, results)
-            except BaseException:
-                self._release(batch)  # what was not stored is prepared again, here or by another writer
-                raise
-            self._release([item for item in batch if item.pk not in {r.pk for r in results}])
-            self.health.prepared += len(results)
-            if any(r.state == SampleState.QUEUED for r in results):
-                self.queued()
-            self.finisher.finish(job_id)  # a last batch that queued nothing ends its job here
+            self._prepare_batch(job_id, batch, folder, facts, options, abort)
             return True
         return False
+
+    def _prepare_batch(
+        self,
+        job_id: str,
+        batch: list[repo.ToPrepare],
+        folder: str,
+        facts: TemplateFacts,
+        options: JobOptions,
+        abort: _JobAbort,
+    ) -> None:
+        """Prepare and store one claimed batch; its samples left unstored are released."""
+        if self.health.state != "failing":  # a retry stays failing until it gets through: no flapping
+            self.health.set("preparing")
+        try:
+            results = self._prepare(batch, folder, facts, options, abort)
+            self._store(job_id, results)
+        except BaseException:
+            self._release(batch)  # what was not stored is prepared again, here or by another writer
+            raise
+        self.health.set("preparing")
+        self._release([item for item in batch if item.pk not in {r.pk for r in results}])
+        self.health.prepared += len(results)
+        if any(r.state == SampleState.QUEUED for r in results):
+            self.queued()
+        self.finisher.finish(job_id)  # a last batch that queued nothing ends its job here
 
     def _template_facts(self, job_id: str, folder: str, abort: _JobAbort) -> TemplateFacts | None:
         """The job's template, loaded; None when it cannot be (the job then fails with the reason) or the
