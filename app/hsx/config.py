@@ -3,6 +3,7 @@ order). The descriptions are the flags' help (`hsx serve --help`)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -128,6 +129,14 @@ class Settings(BaseSettings):
     )
     source: SourceChoice = Field(AUTO, description=source_help())
     name_by: str = Field("auto", description="dump naming: auto (ask the server), counter or rid")
+    capture_layers: str = Field(
+        "",
+        description="vLLM with its own hidden-states connector (ExampleHiddenStatesConnector), which writes no "
+        "hsx-vllm.json: the layers it captures, comma-separated, ascending, in hsx's numbering, which is vLLM's: "
+        "its eagle_aux_hidden_state_layer_ids sorted, e.g. 2,4,5,8 (vLLM writes them in ascending order whatever "
+        "order the launch gives); unset: the layers come from the hsx-vllm.json that hsx's connector writes, and "
+        "where both are there they must agree",
+    )
     max_json_bytes: int = Field(64 * MiB, description="largest application/json request body")
     max_ndjson_bytes: int = Field(16 * 1024 * MiB, description="largest streamed application/x-ndjson job body")
     max_sample_bytes: int = Field(
@@ -211,6 +220,12 @@ class Settings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(choices)}")
         return value
 
+    @field_validator("capture_layers")
+    @classmethod
+    def _ascending_layers(cls, value: str) -> str:
+        parse_layer_list(value)
+        return value
+
     @field_validator("tokenizer_roots")
     @classmethod
     def _absolute_roots(cls, value: str) -> str:
@@ -225,6 +240,10 @@ class Settings(BaseSettings):
         parse_tokens(value)
         return value
 
+    def capture_layer_list(self) -> list[int] | None:
+        """--capture-layers as a list; None when unset."""
+        return parse_layer_list(self.capture_layers)
+
     def tokenizer_root_list(self) -> list[str]:
         """The tokenizer roots, each absolute and without `.` or `..` (as written: a symbolic link in one
         is the operator's to name)."""
@@ -235,6 +254,20 @@ class Settings(BaseSettings):
             return self.staging_dir
         root = self.dump_root.resolve()
         return root.with_name(root.name + ".hsx-staging")
+
+
+def parse_layer_list(spec: str) -> list[int] | None:
+    """ "2,4,5,8" -> [2, 4, 5, 8]; "" -> None. Anything but strictly ascending non-negative integers is an
+    error: a server's files hold each layer once, ascending, and a list in another order would label them wrongly."""
+    parts = _listed(spec)
+    if not parts:
+        return None
+    if not all(part.isdigit() for part in parts):
+        raise ValueError(f"{spec!r} is not a comma-separated list of layer numbers (non-negative integers)")
+    layers = [int(part) for part in parts]
+    if any(b <= a for a, b in itertools.pairwise(layers)):
+        raise ValueError(f"{spec!r}: list the layers ascending, each once, as the server's files hold them")
+    return layers
 
 
 def _listed(spec: str) -> list[str]:

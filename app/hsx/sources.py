@@ -28,8 +28,9 @@ class Source(StrEnum):
     VLLM = (
         "vllm",
         "hsx.backends.engines.vllm.VLLMEngine",
-        "the files vLLM's extract_hidden_states writes through hsx's connector (deploy/vllm); auto takes it when "
-        "an hsx-vllm.json is in the dump root",
+        "the files vLLM's extract_hidden_states writes, through hsx's connector (deploy/vllm) or vLLM's own "
+        "ExampleHiddenStatesConnector (then with --capture-layers); auto takes it when an hsx-vllm.json is in the "
+        "dump root, or when --capture-layers is given and the server's /v1/models says vLLM",
     )
     RESPONSE = (
         "response",

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from hsx.manifest import load_manifest, read_sample
-from tests.support.real_vllm import VLLM, truth, vllm_python
+from tests.support.real_vllm import VLLM, items, largest_difference, vllm_python
 from tests.support.stack import Service, start_service
 from tests.support.tiny_llama import NUM_LAYERS, VOCAB, make_model
 
@@ -48,29 +47,9 @@ def service(tmp_path: Path, server: VLLM, *extra: str, source: str = "vllm") -> 
     )
 
 
-def items(n: int, seed: int, prefix: list[int] | None = None) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    head = prefix or []
-    return [
-        {"id": f"s{i}", "input_ids": head + [rng.randrange(VOCAB) for _ in range(rng.randint(5, 80))]} for i in range(n)
-    ]
-
-
 def check(svc: Service, m: torch.nn.Module, job: dict[str, Any], samples: list[dict[str, Any]]) -> float:
     """Every stored tensor against the recomputation of its own ids; the largest difference."""
-    assert job["state"] == "succeeded", job
-    folder = svc.output_root / job["id"]
-    manifest = load_manifest(folder)
-    assert manifest.layers == LAYERS and manifest.dtype == "float32"
-    assert manifest.final_layer == "pre_norm" and manifest.post_norm_layers == []
-    assert manifest.identity == "ids"
-    worst = 0.0
-    for s in samples:
-        got = read_sample(folder, manifest, s["id"])
-        assert got["input_ids"].tolist() == s["input_ids"]
-        for k, want in truth(m, s["input_ids"], LAYERS).items():
-            worst = max(worst, (got[f"layer_{k}"] - want).abs().max().item())
-    return worst
+    return largest_difference(svc, m, job, samples, LAYERS)
 
 
 def test_a_job_stores_every_sample_proven_by_its_ids(tmp_path, server, model):

@@ -1,8 +1,11 @@
-"""A real vLLM 0.32.0 (its CPU build) with hsx's hidden-states connector, for the engine tests.
+"""A real vLLM 0.32.0 (its CPU build) with a hidden-states connector, for the engine tests.
 
 The server runs in its own environment (tests/support/engines/vllm-env.sh builds it once per
 machine, outside the checkout, and installs deploy/vllm into it), launched as deploy/vllm/README.md
-says. The model is a tiny random Llama made here (head_dim 64: vLLM's CPU attention rejects smaller
+says: with hsx's connector (HSX_CONNECTOR), or with vLLM's own connector's files and nothing else
+(STOCK_ON_CPU: vLLM's `ExampleHiddenStatesConnector` with only its CUDA-only copy swapped for one that
+runs on the CPU, deploy/vllm's `CpuCopyConnector`; vLLM's class itself kills the CPU engine at the first
+finished request). The model is a tiny random Llama made here (head_dim 64: vLLM's CPU attention rejects smaller
 heads). Start-up is 30-95 s on 2 cores, so each test module shares one server.
 """
 
@@ -10,18 +13,24 @@ from __future__ import annotations
 
 import fcntl
 import json
+import random
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from hsx.manifest import load_manifest, read_sample
 from tests.support.engine_server import EngineServer
-from tests.support.tiny_llama import NUM_LAYERS
+from tests.support.stack import Service
+from tests.support.tiny_llama import NUM_LAYERS, VOCAB
 
 ENV_SCRIPT = Path(__file__).resolve().parent / "engines" / "vllm-env.sh"
-CONNECTOR, CONNECTOR_MODULE = "HiddenStatesConnector", "hsx_vllm.connector"
+# (class, module) of a connector
+HSX_CONNECTOR = ("HiddenStatesConnector", "hsx_vllm.connector")
+STOCK_ON_CPU = ("CpuCopyConnector", "hsx_vllm.connector")
 
 
 def vllm_python() -> str:
@@ -31,7 +40,15 @@ def vllm_python() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def launch_args(python: str, model: Path, port: int, dtype: str, layers: list[int], storage: Path) -> list[str]:
+def launch_args(
+    python: str,
+    model: Path,
+    port: int,
+    dtype: str,
+    layers: list[int],
+    storage: Path,
+    connector: tuple[str, str] = HSX_CONNECTOR,
+) -> list[str]:
     """The server's command line, as deploy/vllm/README.md gives it."""
     speculative = {
         "method": "extract_hidden_states",
@@ -39,8 +56,8 @@ def launch_args(python: str, model: Path, port: int, dtype: str, layers: list[in
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
     }
     transfer = {
-        "kv_connector": CONNECTOR,
-        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector": connector[0],
+        "kv_connector_module_path": connector[1],
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(storage)},
     }
@@ -60,9 +77,12 @@ class VLLM(EngineServer):
     storage: Path = Path()
     dtype: str = "float32"
     env: dict[str, str] = field(default_factory=dict)
+    connector: tuple[str, str] = HSX_CONNECTOR
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        args = launch_args(self.python, self.model_path, self.port, self.dtype, self.layers, self.storage)
+        args = launch_args(
+            self.python, self.model_path, self.port, self.dtype, self.layers, self.storage, self.connector
+        )
         # 1 GiB of KV cache is plenty for the tiny model (the CPU build's default is far more).
         return args, {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **self.env}
 
@@ -92,3 +112,41 @@ def truth(m: torch.nn.Module, ids: list[int], layers: list[int]) -> dict[int, to
     finally:
         hook.remove()
     return {k: (last[0] if k == NUM_LAYERS else hs[k])[0] for k in layers}
+
+
+def items(
+    n: int, seed: int, prefix: list[int] | None = None, lengths: tuple[int, int] = (5, 80)
+) -> list[dict[str, Any]]:
+    """`n` samples of random ids, `lengths` tokens long (after a shared `prefix`)."""
+    rng = random.Random(seed)
+    head = prefix or []
+    return [
+        {"id": f"s{i}", "input_ids": head + [rng.randrange(VOCAB) for _ in range(rng.randint(*lengths))]}
+        for i in range(n)
+    ]
+
+
+def stored(svc: Service, job: dict[str, Any], layers: list[int], dtype: str) -> tuple[Path, Any]:
+    """The job's folder and manifest, checked to be what vLLM gives: every sample proven by its ids, layer L
+    before the final norm."""
+    assert job["state"] == "succeeded", job
+    folder = svc.output_root / job["id"]
+    manifest = load_manifest(folder)
+    assert manifest.layers == layers and manifest.dtype == dtype
+    assert manifest.final_layer == "pre_norm" and manifest.post_norm_layers == []
+    assert manifest.identity == "ids"
+    return folder, manifest
+
+
+def largest_difference(
+    svc: Service, m: torch.nn.Module, job: dict[str, Any], samples: list[dict[str, Any]], layers: list[int]
+) -> float:
+    """Every stored tensor of a float32 job against the recomputation of its own ids: the largest difference."""
+    folder, manifest = stored(svc, job, layers, "float32")
+    worst = 0.0
+    for s in samples:
+        got = read_sample(folder, manifest, s["id"])
+        assert got["input_ids"].tolist() == s["input_ids"]
+        for k, want in truth(m, s["input_ids"], layers).items():
+            worst = max(worst, (got[f"layer_{k}"] - want).abs().max().item())
+    return worst

@@ -13,7 +13,7 @@ import pytest
 
 from hsx import backends
 from hsx.backends.dumps import DumpRoot
-from hsx.backends.engine import Capture, Engine, Look, Server
+from hsx.backends.engine import PROBE_IDS, Capture, Engine, Look, Server
 from hsx.backends.engines.vllm import VLLM_INFO_FILE, VLLMEngine
 from hsx.backends.http import BackendUnavailable
 from hsx.cli import build_parser
@@ -174,3 +174,9 @@ def test_the_settings_reference_offers_every_engine():
     operations = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
     row = next(line for line in operations.splitlines() if line.startswith("| `--source`"))
     assert {f"`{s.value}`" for s in Source} | {f"`{AUTO}`"} <= set(re.findall(r"`[^`]+`", row))
+
+
+def test_the_probe_is_long_enough_for_a_fresh_bfloat16_vllm_on_the_cpu():
+    """vLLM 0.32's CPU build lost its worker to SIGILL when a 4-token prompt was its first request in bfloat16,
+    and took 16 (tests/acceptance/test_real_vllm_bf16.py runs it): the probe is often a server's first request."""
+    assert len(PROBE_IDS) >= 16 and max(PROBE_IDS) < 32, "ids every vocabulary has"

@@ -37,8 +37,10 @@ from hsx.sources import Source
 from hsx.storage.encoding import stored_row_bytes
 
 DEFAULT_RID_PREFIX = "hsx-"
-# The probe: a few tokens every vocabulary has.
-PROBE_IDS = [1, 2, 3, 4]
+# The probe: tokens every vocabulary has, 16 of them: vLLM 0.32's CPU build in bfloat16 lost its worker to
+# SIGILL when a 4-token prompt was its first request (AMX instructions before the process had asked Linux
+# for AMX; deploy/vllm/README.md), and took 16 as a first request.
+PROBE_IDS = list(range(1, 17))
 
 Client = TypeVar("Client", bound=HttpBackend)
 Read = TypeVar("Read")
@@ -116,6 +118,8 @@ class Server:
     dump_wait_s: float = 30.0
     settle_s: float = 0.05
     name_by: str = "auto"  # --name-by: auto (as the server says), counter or rid
+    # --capture-layers: what the operator says the server captures, for a server that does not say it itself
+    capture_layers: list[int] | None = None
     _clients: dict[type[HttpBackend], HttpBackend] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

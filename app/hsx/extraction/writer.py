@@ -71,6 +71,7 @@ class Writer:
             dump_wait_s=settings.dump_wait_s,
             settle_s=settings.dump_settle_s,
             name_by=settings.name_by,
+            capture_layers=settings.capture_layer_list(),
         )
         self.status = WriterStatus()
         self.metrics = WriterMetrics()

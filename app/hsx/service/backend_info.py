@@ -36,6 +36,7 @@ class BackendInfo:
             DumpRoot(settings.dump_root),
             settings.resolved_staging_dir(),
             timeout_s=ASK_TIMEOUT_S,
+            capture_layers=settings.capture_layer_list(),
         )
         self._choice = settings.source
         self._lock = threading.Lock()

@@ -3,15 +3,16 @@
 vLLM's `ExampleHiddenStatesConnector` (the connector of the `extract_hidden_states` speculative
 method) copies each finished request's rows out of the cache with a CUDA stream, a CUDA event and
 pinned host memory, all unconditionally: on a CPU-only host the first finished request kills the
-engine (`pin_memory=True requires a CUDA or other accelerator backend`). `HiddenStatesConnector`
-changes only that copy. Everything else stays vLLM's: the file name `{shared_storage_path}/{req_id}
+engine (`pin_memory=True requires a CUDA or other accelerator backend`). `CpuCopyConnector` changes
+only that copy. Everything else stays vLLM's: the file name `{shared_storage_path}/{req_id}
 .safetensors`, the `.lock` file held exclusively from scheduling until the write ends, the
-background write pool, and the path returned in `kv_transfer_params["hidden_states_path"]`.
+background write pool, and the path returned in `kv_transfer_params["hidden_states_path"]`. It writes
+exactly what vLLM's own connector writes, and nothing else.
 
-It also writes `hsx-vllm.json` into the storage folder when the server starts (from its scheduler's
-connector, once per launch): the layers it captures, the model's layer count, width and dtype, and a
-boot id new with each launch. hsx reads its capture from there (the server's API does not say), and
-a new boot id tells it the server restarted.
+`HiddenStatesConnector` (the one to run with hsx) is that, and also writes `hsx-vllm.json` into the
+storage folder when the server starts (from its scheduler's connector, once per launch): the layers it
+captures, the model's layer count, width and dtype, and a boot id new with each launch. hsx reads its
+capture from there (the server's API does not say), and a new boot id tells it the server restarted.
 
 vLLM is the server's own dependency, not this distribution's: this module is imported only by the
 server, through `kv_connector_module_path`.
@@ -53,13 +54,8 @@ INFO_FILE = "hsx-vllm.json"
 INFO_FORMAT = "hsx-vllm/1"
 
 
-class HiddenStatesConnector(ExampleHiddenStatesConnector):
-    """`ExampleHiddenStatesConnector` whose copy out of the cache also works off CUDA."""
-
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if role == KVConnectorRole.SCHEDULER:
-            write_info(self._storage_path, describe(vllm_config))
+class CpuCopyConnector(ExampleHiddenStatesConnector):
+    """`ExampleHiddenStatesConnector` whose copy out of the cache also works off CUDA; nothing else differs."""
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         # On CUDA, vLLM's own asynchronous copy (side stream, pinned memory) is the fast path: keep it.
@@ -90,6 +86,36 @@ class HiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
+
+
+class HiddenStatesConnector(CpuCopyConnector):
+    """`CpuCopyConnector` that also describes its capture in `hsx-vllm.json`, for hsx, and on a CPU with AMX
+    lets the worker use AMX tiles from its first request on."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            write_info(self._storage_path, describe(vllm_config))
+        elif role == KVConnectorRole.WORKER:
+            allow_amx_tiles()
+
+
+def allow_amx_tiles() -> None:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM) in the worker's process, on a host
+    without CUDA whose CPU has AMX.
+
+    Linux gives a process AMX tile registers only once it has asked, and an AMX instruction before that is an
+    illegal instruction. vLLM 0.32's CPU build never asks: its bfloat16 attention runs AMX kernels (on a CPU
+    with AMX, for cache blocks a multiple of 32), and only oneDNN asks, in the linear layers, and only for
+    prompts long enough for it to pick its AMX kernels. A server whose first request is a short prompt
+    (4 tokens: 5-token and longer were not tried) loses its worker to SIGILL; one whose first request is long
+    works on. Asking here, before any forward pass, makes every first request work.
+    """
+    if torch.cuda.is_available():
+        return
+    init_amx = getattr(torch._C._cpu, "_init_amx", None)  # PyTorch's own way to ask; private, hence the guard
+    if init_amx is not None and torch.cpu._is_amx_tile_supported():
+        init_amx()
 
 
 def describe(vllm_config: Any) -> dict[str, Any]:

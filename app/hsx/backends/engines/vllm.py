@@ -1,13 +1,22 @@
 """vLLM's extract_hidden_states path: one sample is one `POST /v1/completions`, its hidden states a
 file vLLM writes and names in the answer.
 
-vLLM started with `--speculative-config '{"method": "extract_hidden_states", ...}'` and hsx's KV
-connector (deploy/vllm: vLLM's own connector, made to work on a CPU-only host too) writes, for each
-request, `<dump root>/<vLLM's request id>.safetensors` with `hidden_states` `[tokens, layers, hidden]`
-and the prompt's `token_ids`, and answers the path in `kv_transfer_params.hidden_states_path`. The
-answer can come before the file is whole: vLLM's writer holds `<path>.lock` while it writes, so the
-file is read under a shared lock on it. The connector also writes `hsx-vllm.json` into the root at
-start-up: the layers it captures, the model, and a boot id.
+vLLM started with `--speculative-config '{"method": "extract_hidden_states", ...}'` and a hidden-states
+KV connector writes, for each request, `<dump root>/<vLLM's request id>.safetensors` with
+`hidden_states` `[tokens, layers, hidden]` and the prompt's `token_ids`, and answers the path in
+`kv_transfer_params.hidden_states_path`. Two connectors write these files, named and placed alike:
+
+- vLLM's own `ExampleHiddenStatesConnector` (what vllm-project/speculators users run; it needs a CUDA
+  device). Its files say nothing of the layers they hold: the operator gives them (`--capture-layers`,
+  vLLM's `eagle_aux_hidden_state_layer_ids` in ascending order). The model comes from `/v1/models` and
+  its config.json, and the API server's start time on `/metrics` (`process_start_time_seconds`) stands
+  for a boot id: a restarted server shows a new one. Without that metric (several API server processes)
+  a restart is not seen as such, though the outage around it is.
+- hsx's connector (deploy/vllm: vLLM's own, made to work on a CPU-only host too), which also writes
+  `hsx-vllm.json` into the root at start-up: the layers it captures, the model, and a boot id.
+
+The answer can come before the file is whole: vLLM's writer holds `<path>.lock` while it writes, so the
+file is read under a shared lock on it.
 
 Identity is proven, never assumed: the path must lie in the dump root and carry the request id hsx
 chose (`X-Request-Id`), and the file's token ids must be the sample's, every one. The rows are staged
@@ -35,7 +44,7 @@ import numpy as np
 from hsx.backends.dumps import Dump, DumpRejected, ids_sha256, stage_dump
 from hsx.backends.engine import Capture, CaptureProblem, Engine, Expectation, Limits, Look, Server, count
 from hsx.backends.http import BackendRejected, HttpBackend
-from hsx.backends.model import describe_model
+from hsx.backends.model import describe_model, read_model_config
 from hsx.dtypes import DTYPES_BY_CODE, HIDDEN_STATE_DTYPES
 from hsx.identity import Identity
 from hsx.sources import Source
@@ -49,14 +58,26 @@ LOCK_POLL_S = 0.005
 class VLLMClient(HttpBackend):
     """The part of vLLM's OpenAI-compatible server that extraction uses."""
 
-    def model(self) -> tuple[str, int | None]:
-        """The name requests must give (the one model the server serves) and its context length
-        (max_model_len: prompt and generated tokens together; None when the answer does not say)."""
+    def card(self) -> dict[str, Any]:
+        """The one model the server serves, as `/v1/models` describes it: `id` (the name requests must give),
+        `root` (its path), `max_model_len`, `owned_by` ("vllm")."""
         data = self._request("GET", "/v1/models").json().get("data") or []
         if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
             raise BackendRejected(f"GET /v1/models: no model in the answer: {str(data)[:200]}")
-        length = data[0].get("max_model_len")
-        return str(data[0]["id"]), length if isinstance(length, int) and not isinstance(length, bool) else None
+        return dict(data[0])
+
+    def started_at(self) -> float | None:
+        """When the API server's process started (`/metrics` `process_start_time_seconds`, Unix seconds); None
+        where the metric is not served (vLLM with several API server processes aggregates across them and
+        leaves it out)."""
+        for line in self._request("GET", "/metrics").text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "process_start_time_seconds":
+                try:
+                    return float(value)
+                except ValueError:
+                    return None
+        return None
 
     def complete(self, input_ids: list[int], request_id: str, model: str) -> dict[str, Any]:
         """The prompt and one new token; the answer names the file holding the prompt's hidden states."""
@@ -82,7 +103,9 @@ def vllm_capture(info: dict[str, Any] | None, dump_root: Path) -> Capture:
     if info is None:
         raise CaptureProblem(
             f"no {VLLM_INFO_FILE} in the dump root ({dump_root}): start vLLM with hsx's connector and its "
-            "shared_storage_path set to the dump root (deploy/vllm/README.md)"
+            "shared_storage_path set to the dump root, or, with vLLM's own ExampleHiddenStatesConnector writing "
+            "there, give hsx the layers it captures (--capture-layers, its eagle_aux_hidden_state_layer_ids in "
+            "ascending order; deploy/vllm/README.md)"
         )
     layers, num_layers, hidden, dtype = (info.get(k) for k in ("layers", "num_hidden_layers", "hidden_size", "dtype"))
     if not (isinstance(layers, list) and layers and all(isinstance(i, int) and i >= 0 for i in layers)):
@@ -101,6 +124,34 @@ def vllm_capture(info: dict[str, Any] | None, dump_root: Path) -> Capture:
     )
 
 
+def stock_capture(layers: list[int], card: dict[str, Any], started_at: float | None) -> Capture:
+    """The capture of vLLM's own connector, which writes no hsx-vllm.json: the layers as --capture-layers gives
+    them, the model from `/v1/models` (its `root`) and config.json there, the API server's start time as the
+    boot id. CaptureProblem when the model's layer count and width cannot be read or a layer lies beyond it."""
+    model_path = card.get("root") if isinstance(card.get("root"), str) else card.get("id")
+    config = read_model_config(model_path) or {}
+    num_layers, hidden = config.get("num_hidden_layers"), config.get("hidden_size")
+    if not (isinstance(num_layers, int) and isinstance(hidden, int)):
+        raise CaptureProblem(
+            f"cannot tell the model's layer count and hidden size: hsx reads them from config.json in the model "
+            f"path vLLM reports ({model_path!r}), which is not a checkpoint directory readable here"
+        )
+    if layers[-1] > num_layers:
+        raise CaptureProblem(f"--capture-layers {layers} names a layer beyond the model's {num_layers}")
+    return Capture(
+        layers=layers,
+        model={**describe_model({"model_path": model_path}, {}), "final_layer": "pre_norm"},
+        layers_from="--capture-layers (vLLM's own connector says nothing of its layers)",
+        hidden_size=hidden,
+        # The files say their dtype; the server does not say it before (its --dtype may differ from the
+        # checkpoint's), so each file's is checked against the job's.
+        dtype=None,
+        # Not the connector's: the API server's process start; a restart starts a new one.
+        boot_id=f"vllm-started-{started_at!r}" if started_at is not None else None,
+        identity=Identity.IDS,
+    )
+
+
 class VLLMEngine(Engine):
     source = Source.VLLM
 
@@ -115,25 +166,31 @@ class VLLMEngine(Engine):
 
     @classmethod
     def discover(cls, look: Look) -> VLLMEngine | None:
-        """What hsx's connector wrote into the dump root; with auto, None when it wrote nothing there."""
-        root = look.server.root.path
+        """What hsx's connector wrote into the dump root, or with vLLM's own connector what --capture-layers
+        says; with auto, None when neither is there, or when only --capture-layers is and the server does not
+        say it is vLLM."""
+        server = look.server
+        root, said = server.root.path, server.capture_layers
         info = read_vllm_info(root)
-        if look.auto and info is None:
+        if look.auto and info is None and (said is None or not _says_vllm(server)):
             return None
-        client = look.server.client(VLLMClient)
+        client = server.client(VLLMClient)
         client.health()
-        model, _ = client.model()
-        return cls(look.server, vllm_capture(read_vllm_info(root), root), model=model)
+        card = client.card()
+        capture = _capture(server, info, card)
+        return cls(server, capture, model=str(card["id"]))
 
     @classmethod
     def limits(cls, server: Server) -> Limits | None:
         """Its context length less the one token each request generates, and the vocabulary of the model
-        hsx-vllm.json names (from its config.json, where that is readable here); None without that file."""
+        (from its config.json, where that is readable here); None without hsx-vllm.json or --capture-layers."""
         info = read_vllm_info(server.root.path)
-        if info is None:
+        if info is None and (server.capture_layers is None or not _says_vllm(server)):
             return None
-        _, context = server.client(VLLMClient).model()
-        capture = vllm_capture(info, server.root.path)
+        card = server.client(VLLMClient).card()
+        # max_model_len: prompt and generated tokens together
+        context = count(card.get("max_model_len"))
+        capture = _capture(server, info, card, boot=False)
         return Limits(
             vocab_size=count(capture.model.get("vocab_size")),
             max_tokens=context - 1 if context else None,
@@ -144,6 +201,14 @@ class VLLMEngine(Engine):
 
     def leftovers(self) -> list[Path]:
         return self.server.root.files("cmpl-*")
+
+    def probe_hint(self) -> str:
+        if self.capture.layers_from.startswith("--capture-layers"):
+            return (
+                f"; is --capture-layers ({','.join(map(str, self.layers))}) the server's "
+                "eagle_aux_hidden_state_layer_ids, and its connector's shared_storage_path this --dump-root?"
+            )
+        return ""
 
     def extract(self, input_ids: list[int], *, rid: str, staged_name: str, expect: Expectation) -> Dump:
         answer = self.client.complete(input_ids, rid, self.model)
@@ -200,6 +265,37 @@ class VLLMEngine(Engine):
             expect_hidden=expect.hidden_size,
             expect_dtype=expect.dtype,
         )
+
+
+def _says_vllm(server: Server) -> bool:
+    """Whether the server's /v1/models says vLLM serves it (auto, where only --capture-layers tells of vLLM)."""
+    try:
+        return server.client(VLLMClient).card().get("owned_by") == "vllm"
+    except BackendRejected:
+        return False
+
+
+def _capture(server: Server, info: dict[str, Any] | None, card: dict[str, Any], *, boot: bool = True) -> Capture:
+    """From hsx-vllm.json where hsx's connector wrote one (and --capture-layers, if given too, must agree),
+    else from --capture-layers; `boot`: ask /metrics for the start time that stands for a boot id."""
+    said = server.capture_layers
+    if info is not None or said is None:
+        capture = vllm_capture(info, server.root.path)
+        if said is not None and said != capture.layers:
+            raise CaptureProblem(
+                f"--capture-layers {said} disagrees with the {capture.layers} that {VLLM_INFO_FILE} in the dump "
+                "root gives: leave --capture-layers unset with hsx's connector"
+            )
+        return capture
+    started = _started_at(server) if boot else None
+    return stock_capture(said, card, started)
+
+
+def _started_at(server: Server) -> float | None:
+    try:
+        return server.client(VLLMClient).started_at()
+    except BackendRejected:  # /metrics off or refused: restarts then show only as outages
+        return None
 
 
 def lock_path(path: Path) -> Path:

@@ -1,0 +1,210 @@
+"""vLLM with its own hidden-states connector, which writes no hsx-vllm.json (hsx.backends.engines.vllm): the
+layers come from --capture-layers, the model from /v1/models and its config.json, the boot id from /metrics'
+process_start_time_seconds. Against a small HTTP server on loopback that answers as vLLM 0.32 does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsx import backends
+from hsx.backends.dumps import DumpRoot
+from hsx.backends.engine import CaptureProblem, Look, Server
+from hsx.backends.engines.vllm import VLLM_INFO_FILE, VLLM_INFO_FORMAT, VLLMEngine
+from hsx.cli import build_parser
+from hsx.config import Settings, parse_layer_list
+from hsx.identity import Identity
+from hsx.sources import AUTO
+
+# What vLLM 0.32's /metrics says of its API server's process (prometheus_client's process collector).
+METRICS = """# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds {started}
+process_cpu_seconds_total 7.06
+"""
+
+
+class FakeVLLM:
+    """/health, /v1/models and /metrics as vLLM answers them; what they say can be changed between looks."""
+
+    def __init__(self, model_path: Path):
+        self.card: dict[str, Any] = {
+            "id": str(model_path),
+            "object": "model",
+            "owned_by": "vllm",
+            "root": str(model_path),
+            "max_model_len": 2048,
+        }
+        self.metrics: str | None = METRICS.format(started="1.79637827367e+09")
+        self.asked: list[str] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                fake.asked.append(self.path)
+                if self.path == "/health":
+                    self._send(200, "text/plain", "")
+                elif self.path == "/v1/models":
+                    self._send(200, "application/json", json.dumps({"object": "list", "data": [fake.card]}))
+                elif self.path == "/metrics" and fake.metrics is not None:
+                    self._send(200, "text/plain; version=0.0.4", fake.metrics)
+                else:
+                    self._send(404, "application/json", '{"detail": "Not Found"}')
+
+            def _send(self, status: int, kind: str, body: str) -> None:
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256, "vocab_size": 1000}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def fake(checkpoint: Path) -> Iterator[FakeVLLM]:
+    f = FakeVLLM(checkpoint)
+    yield f
+    f.close()
+
+
+def server(tmp_path: Path, fake: FakeVLLM, layers: list[int] | None) -> Server:
+    root = tmp_path / "dumps"
+    root.mkdir(exist_ok=True)
+    return Server(fake.url, DumpRoot(root), tmp_path / "staging", timeout_s=5.0, capture_layers=layers)
+
+
+def look(s: Server, *, auto: bool = False) -> Look:
+    return Look(s, auto=auto, after_outage=False)
+
+
+def test_capture_layers_are_ascending_layer_numbers(monkeypatch):
+    assert parse_layer_list("2,4,5,8") == [2, 4, 5, 8] and parse_layer_list(" 0, 8 ") == [0, 8]
+    assert parse_layer_list("") is None and Settings().capture_layer_list() is None
+    for bad in ("8,2", "2,2", "2,x", "-1,2"):
+        with pytest.raises(ValueError):
+            parse_layer_list(bad)
+        with pytest.raises(ValueError):
+            Settings(capture_layers=bad)
+    monkeypatch.setenv("HSX_CAPTURE_LAYERS", "2,4,5,8")
+    assert Settings().capture_layer_list() == [2, 4, 5, 8]
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_serve_and_worker_take_capture_layers(command):
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flag = next(a for a in sub._actions if a.dest == "capture_layers")
+    assert flag.option_strings == ["--capture-layers"]
+    assert "ExampleHiddenStatesConnector" in (flag.help or "") and "ascending" in (flag.help or "")
+
+
+def test_the_stock_capture_comes_from_the_flag_the_model_card_and_metrics(tmp_path, fake, checkpoint):
+    s = server(tmp_path, fake, [2, 4, 5, 8])
+    engine = VLLMEngine.discover(look(s))
+    assert isinstance(engine, VLLMEngine) and engine.model == str(checkpoint)
+    capture = engine.capture
+    assert capture.layers == [2, 4, 5, 8] and capture.layers_from.startswith("--capture-layers")
+    assert capture.model["final_layer"] == "pre_norm" and capture.model["num_hidden_layers"] == 8
+    assert capture.model["model_path"] == str(checkpoint) and capture.hidden_size == 256
+    assert capture.dtype is None, "the files say their dtype; the server does not say it before"
+    assert capture.identity == Identity.IDS and capture.boot_id == "vllm-started-1796378273.67"
+    assert "--capture-layers (2,4,5,8)" in engine.probe_hint()
+    limits = VLLMEngine.limits(s)
+    assert limits is not None and (limits.vocab_size, limits.max_tokens, limits.layers) == (1000, 2047, [2, 4, 5, 8])
+    s.close()
+
+
+def test_a_new_start_time_is_a_restart_and_no_metric_is_no_boot_id(tmp_path, fake):
+    s = server(tmp_path, fake, [2, 8])
+    first = VLLMEngine.discover(look(s))
+    fake.metrics = METRICS.format(started="1.79637912e+09")
+    second = VLLMEngine.discover(look(s))
+    assert first is not None and second is not None and second.restarted(first)
+    fake.metrics = "process_cpu_seconds_total 7.06\n"  # several API server processes: no start time
+    third = VLLMEngine.discover(look(s))
+    fake.metrics = None  # /metrics 404
+    fourth = VLLMEngine.discover(look(s))
+    assert third is not None and fourth is not None
+    assert third.capture.boot_id is None and fourth.capture.boot_id is None
+    assert not third.restarted(second), "unknown: not taken for a restart"
+    s.close()
+
+
+def test_auto_takes_a_server_owned_by_vllm_only_when_given_its_layers(tmp_path, fake):
+    s = server(tmp_path, fake, None)
+    assert VLLMEngine.discover(look(s, auto=True)) is None
+    assert fake.asked == [], "without the flag or hsx-vllm.json, auto asks nothing"
+    s.close()
+    s = server(tmp_path, fake, [2, 8])
+    assert isinstance(VLLMEngine.discover(look(s, auto=True)), VLLMEngine)
+    assert isinstance(backends.discover(s, AUTO), VLLMEngine)
+    fake.card["owned_by"] = "sglang"
+    assert VLLMEngine.discover(look(s, auto=True)) is None
+    s.close()
+
+
+def test_without_either_source_of_layers_the_refusal_names_both(tmp_path, fake):
+    s = server(tmp_path, fake, None)
+    with pytest.raises(CaptureProblem, match=f"{VLLM_INFO_FILE}.*--capture-layers"):
+        VLLMEngine.discover(look(s))
+    s.close()
+
+
+def test_layers_the_model_cannot_have_or_a_model_not_readable_here_are_refused(tmp_path, fake, checkpoint):
+    s = server(tmp_path, fake, [2, 9])
+    with pytest.raises(CaptureProblem, match="beyond the model's 8"):
+        VLLMEngine.discover(look(s))
+    s.close()
+    (checkpoint / "config.json").unlink()
+    s = server(tmp_path, fake, [2, 8])
+    with pytest.raises(CaptureProblem, match=r"config\.json"):
+        VLLMEngine.discover(look(s))
+    s.close()
+
+
+def test_hsx_vllm_json_wins_and_a_flag_that_disagrees_is_refused(tmp_path, fake):
+    s = server(tmp_path, fake, [2, 4])
+    info = {
+        "format": VLLM_INFO_FORMAT,
+        "layers": [2, 4, 5, 8],
+        "num_hidden_layers": 8,
+        "hidden_size": 256,
+        "dtype": "float32",
+        "model_path": "/nowhere",
+        "boot_id": "b1",
+    }
+    (s.root.path / VLLM_INFO_FILE).write_text(json.dumps(info))
+    with pytest.raises(CaptureProblem, match="disagrees"):
+        VLLMEngine.discover(look(s))
+    s.close()
+    s = server(tmp_path, fake, [2, 4, 5, 8])
+    engine = VLLMEngine.discover(look(s))
+    assert engine is not None and engine.capture.boot_id == "b1" and engine.capture.dtype == "float32"
+    assert not any(p == "/metrics" for p in fake.asked), "the connector's boot id, not the start time"
+    s.close()
