@@ -5,10 +5,14 @@ nobody live can serve says why it waits."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hsx.db import repository as repo
 from hsx.db.models import JobRow
 from hsx.matching import Serves, model_key
+from hsx.service.errors import InvalidInput
+from hsx.service.jobs import check_regenerate
+from hsx.wire import JobOptions
 
 LLAMA = {"model_path": "/models/llama", "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 64}
 QWEN = {"model_path": "/models/qwen", "model_type": "qwen2", "num_hidden_layers": 8, "hidden_size": 64}
@@ -123,3 +127,20 @@ def test_a_new_job_keeps_to_the_tightest_limits_of_the_live_workers_that_may_run
         repo.report_writer_stopped(s, "host:/b", epochs["host:/b"])
     with sessions() as s:
         assert repo.writer_limits(s, [2, 4]) == (None, 8192), "a stopped worker claims nothing"
+
+
+def test_regeneration_is_refused_only_once_every_live_worker_has_said_what_its_server_is(sessions):
+    """A worker still probing its server (no source yet) may turn out to generate: a regenerate job then
+    waits; once every live worker has said and none generates for hsx, the job is refused at creation."""
+    options = JobOptions.model_validate({"regenerate": {"max_new_tokens": 4}})
+    with sessions.begin() as s:
+        epoch = repo.register_writer(s, "host:/v", lease_s=30, started_at=repo.utcnow(), staged_exists=lambda _: True)
+        repo.renew_lease(s, "host:/v", epoch, lease_s=30, state="starting", reason=None, server={}, stats=None)
+    check_regenerate(sessions, options)  # not refused: the worker has not said yet
+    with sessions.begin() as s:
+        server = {"source": "vllm", "regenerates": False, "applies_seed": True}
+        repo.renew_lease(s, "host:/v", epoch, lease_s=30, state="ready", reason=None, server=server, stats=None)
+    with pytest.raises(InvalidInput) as refused:
+        check_regenerate(sessions, options)
+    assert refused.value.extra["errors"][0]["field"] == "regenerate"
+    assert "host:/v runs vllm" in refused.value.extra["errors"][0]["message"]

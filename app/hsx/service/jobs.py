@@ -174,14 +174,16 @@ async def create_job_from_ndjson(
 
 
 def check_regenerate(sessions: sessionmaker[Session], options: JobOptions) -> None:
-    """A job that regenerates answers is refused when live writers run and none of them may (their server
-    does not generate for hsx, or ignores the seed the job samples with); with none running it waits, saying
-    what it needs (hsx.matching.Waiting)."""
+    """A job that regenerates answers is refused when live writers run, all have said what their server is,
+    and none of them may (their server does not generate for hsx, or ignores the seed the job samples with);
+    otherwise it waits, saying what it needs (hsx.matching.Waiting)."""
     if options.regenerate is None:
         return
     with sessions() as session:
         writers = repo.present_writers(session)
-    why = preparing_refusal(options.model_dump(mode="json"), writers) if writers else None
+    # A writer still finding out what its server is may turn out to generate: refused only once all have said.
+    said = bool(writers) and all((w.server or {}).get("source") is not None for w in writers)
+    why = preparing_refusal(options.model_dump(mode="json"), writers) if said else None
     if why is not None:
         field = "regenerate.seed" if why.startswith(SEED_NEEDS) else "regenerate"
         raise InvalidInput([{"field": field, "message": why}])
