@@ -41,8 +41,8 @@ class Source(StrEnum):
     DUMPS = (
         "dumps",
         "hsx.backends.engines.sglang_dumps.DumpsEngine",
-        "files in the dump root, from the hsx-sglang plugin or an SGLang-style server that writes them; auto "
-        "takes it otherwise",
+        "files in the dump root, from SGLang's hsx-sglang plugin or another server that writes them (the "
+        "reference server); auto takes it otherwise",
     )
 
 

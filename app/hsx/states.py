@@ -47,6 +47,3 @@ class SampleState(StrEnum):
 
 ACTIVE_JOB_STATES = frozenset({JobState.QUEUED, JobState.RUNNING, JobState.CANCELLING})
 TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.PARTIAL, JobState.FAILED, JobState.CANCELLED})
-TERMINAL_SAMPLE_STATES = frozenset(
-    {SampleState.SUCCEEDED, SampleState.FAILED, SampleState.CANCELLED, SampleState.SKIPPED}
-)

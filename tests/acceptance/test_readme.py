@@ -1,13 +1,16 @@
-"""The documentation's examples work: README.md's short API example, and docs/api.md's curl session and Python
-SDK snippet, run against a live service; every `hsx` line of the command-line examples parses; and the SGLang
+"""The documentation's examples work: README.md's quick start, run as it stands (its servers on free
+ports); README.md's short API example, and docs/api.md's curl session and Python SDK snippet, run against a
+live service; every `hsx` line of the command-line examples parses; and the SGLang
 launch commands of docs/engines.md fit the supported release."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ import pytest
 
 from hsx.cli import build_parser
 from hsx.sdk import HsxClient
+from tests.support.procs import free_port
 from tests.support.sglang import release_check
 from tests.support.stack import start_stack, stop_stack
 
@@ -69,6 +73,43 @@ def run_bash(block: str, service, tmp_path: Path) -> subprocess.CompletedProcess
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
+
+
+def test_readme_quick_start(tmp_path):
+    """The quick start as a newcomer runs it: the reference server and the service in the background, a job
+    submitted, followed and downloaded. Only its ports change, to free ones."""
+    block = marked_block("## Quick start", README, "quick-start", "bash")
+    ports = {"30000": str(free_port()), "8000": str(free_port())}
+    assert all(f"127.0.0.1:{p}" in block for p in ports), "the block's servers are on ports 30000 and 8000"
+    script = tmp_path / "quick-start.sh"
+    script.write_text(re.sub(r"\b(30000|8000)\b", lambda m: ports[m.group(1)], block))
+    env = {
+        **os.environ,
+        "HSX_URL": f"http://127.0.0.1:{ports['8000']}",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    env.pop("HSX_TOKEN", None)
+    # Its own session, so that the servers it starts in the background go with it whatever happens.
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in tmp_path.glob("*.log"))
+    assert proc.returncode == 0, out + logs
+    manifest = json.loads((tmp_path / "data" / "quick" / "manifest.json").read_text())
+    assert manifest["name"] == "quick" and manifest["state"] == "succeeded" and manifest["num_stored"] == 2
+    assert all((tmp_path / "data" / "quick" / s["name"]).is_file() for s in manifest["shards"])
 
 
 def test_readme_api_example(service, tmp_path):

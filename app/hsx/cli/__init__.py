@@ -36,7 +36,10 @@ COMMANDS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hsx",
-        description="Extract a language model's hidden states, sample by sample, from an SGLang-style server.",
+        description=(
+            "Extract a language model's hidden states, sample by sample, from SGLang (the hsx-sglang plugin's "
+            "dumps or its answers) or vLLM (hsx's connector)."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:

@@ -42,11 +42,6 @@ def _code_values() -> np.ndarray:
 CODE_VALUES = _code_values()
 
 
-def is_nan(codes: np.ndarray) -> np.ndarray:
-    """Which codes are NaN (e4m3fn has no infinity)."""
-    return (codes & np.uint8(0x7F)) == np.uint8(0x7F)
-
-
 def row_scales(values: np.ndarray) -> np.ndarray:
     """One float32 scale per row of `values` (float32 [rows, n]): its largest magnitude / 448, stepped
     down by one ulp where 448 x scale would not be a finite float32 (rows near float32's largest)."""
