@@ -24,22 +24,10 @@ def turns(n: int) -> list[dict[str, str]]:
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(n)]
 
 
-@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def service(request, tmp_path_factory):
-    """One API-only service per database for the whole module (no writer: nothing gets processed)."""
-    tmp = tmp_path_factory.mktemp(f"bounds-{request.param}")
-    url = f"sqlite:///{tmp / 'hsx.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_module_url")
-    svc = start_service(tmp, url, extra=["--no-writer"])
-    yield svc
-    svc.stop()
-
-
-@pytest.fixture
-def unchanged(service):
-    """Asserts at the end of the test that no job or sample was stored by it."""
-    before = stored_rows(service.database_url)
-    yield
-    assert stored_rows(service.database_url) == before
+@pytest.fixture(scope="module")
+def service(api_only):
+    """The module's API-only service (tests/acceptance/conftest.py), one per database."""
+    return api_only
 
 
 def post(service, body: dict | bytes, **kw):
