@@ -2,7 +2,7 @@
 
 The bottom floor shared by the routes (hsx.api), what they call (hsx.service) and the client (hsx.sdk), so
 that each of them reads one definition of every body and none imports another for it. It imports only
-hsx.states, hsx.names, hsx.layers and hsx.dtypes."""
+hsx.states, hsx.names, hsx.layers, hsx.lengths and hsx.dtypes."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pydantic import (
 from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError, core_schema
 
-from hsx import dtypes
+from hsx import dtypes, lengths
 from hsx.layers import ANY_LAYERS, LAYER_SETS, MAX_LAYER_INDEX, MAX_LAYERS, LayerSetName, check_layers
 from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
 from hsx.sources import Source
@@ -196,7 +196,7 @@ class SampleIn(BaseModel):
         return self.messages if self.messages is not None else self.conversations
 
 
-LengthPolicy = Literal["truncate", "skip", "reject"]
+LengthPolicy = lengths.LengthPolicy
 InvalidPolicy = Literal["reject", "skip"]
 LossPolicy = Literal["assistant", "all", "last_assistant"]
 MAX_NEW_TOKENS = 32768
@@ -236,9 +236,11 @@ class JobOptions(BaseModel):
     )
     length_policy: LengthPolicy = Field(
         default="reject",
-        description="a sample over max_length (or the server's limit): truncate (keep its first tokens), skip (not "
-        "extracted, counted as skipped with the reason) or reject (the whole request is refused; a conversation, "
-        "whose length is known only once rendered, fails instead)",
+        description="a sample over max_length (or the server's limit): truncate (keep its first tokens), "
+        "truncate_turns (keep its whole turns: cut after the last assistant turn that ends within the limit; "
+        "a mask of ones throughout is cut as under truncate), skip (not extracted, counted as skipped with the "
+        "reason) or reject (the whole request is refused; a conversation, whose length is known only once "
+        "rendered, fails instead)",
     )
     on_invalid: InvalidPolicy = Field(
         default="reject",

@@ -230,3 +230,41 @@ def test_regenerated_answers_are_the_models_own_ids_and_their_hidden_states_are_
     finally:
         svc.stop()
         ref.stop()
+
+
+def test_truncate_turns_keeps_whole_answers(tmp_path, chat_model, database_url):
+    """Under truncate_turns a conversation over max_length is cut after its last answer (end-of-turn token
+    included) that ends within the limit, never inside one; one whose first answer does not fit is skipped."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
+    exchanges = [("question one", "answer one two three"), ("question two", "answer four five six seven")]
+    messages = [m for q, a in exchanges for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+    full = apply_chat_template_ids(tokenizer, messages)
+    first = apply_chat_template_ids(tokenizer, messages[:2])
+    # the first answer ends where the second user turn's text begins: its end-of-turn token is the last mask 1
+    first_end = next(k for k in range(len(first), 0, -1) if tokenizer.decode(first[:k]).endswith("<|eot_id|>"))
+    limit = first_end + 3  # inside the second exchange
+    assert limit < len(full)
+    ref = start_reference(tmp_path, chat_model)
+    svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=ref.dump_root)
+    try:
+        body = {
+            "max_length": limit,
+            "length_policy": "truncate_turns",
+            "samples": [{"id": "two", "messages": messages}, {"id": "tiny", "messages": messages[:1] + messages[1:2]}],
+        }
+        job = svc.wait_job(svc.post_job(body).json()["id"])
+        assert job["state"] == "succeeded" and job["counts"]["truncated"] == 1, job
+        manifest = load_manifest(svc.output_root / job["id"])
+        stored = read_sample(svc.output_root / job["id"], manifest, "two")
+        ids, mask = stored["input_ids"].tolist(), stored["loss_mask"].tolist()
+        assert ids == full[:first_end] and mask[-1] == 1, "cut right after the first answer's end-of-turn token"
+        assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "answer one two three<|eot_id|>"
+        assert svc.get(f"/v1/jobs/{job['id']}/samples/two").json()["truncated_from"] == len(full)
+
+        short = {**body, "max_length": first_end - 1, "samples": body["samples"][:1]}
+        skipped = svc.wait_job(svc.post_job(short).json()["id"])
+        only = svc.get(f"/v1/jobs/{skipped['id']}/samples/two").json()
+        assert only["state"] == "skipped" and only["last_error"].startswith("no_loss_tokens: cut from"), only
+    finally:
+        svc.stop()
+        ref.stop()

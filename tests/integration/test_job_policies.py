@@ -58,6 +58,24 @@ def test_max_length_truncates_keeping_the_first_tokens_and_their_mask(api):
     assert sample["expected_tokens"] == 3
 
 
+def test_truncate_turns_cuts_token_ids_after_their_last_whole_answer(api):
+    body = {
+        "max_length": 7,
+        "length_policy": "truncate_turns",
+        "samples": [
+            {"id": "turns", "input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9], "loss_mask": [0, 1, 1, 0, 0, 1, 1, 1, 0]},
+            {"id": "unmasked", "input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]},
+            {"id": "none-fits", "input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9], "loss_mask": [0, 0, 0, 0, 0, 1, 1, 1, 1]},
+        ],
+    }
+    job = created(api.post("/v1/jobs", json=body))
+    assert (job["counts"]["queued"], job["counts"]["skipped"], job["counts"]["truncated"]) == (2, 1, 2)
+    samples = samples_of(api, job["id"])
+    assert (samples["turns"]["expected_tokens"], samples["turns"]["truncated_from"]) == (3, 9)
+    assert samples["unmasked"]["expected_tokens"] == 7, "no turns in its mask: cut at max_length"
+    assert samples["none-fits"]["last_error"].startswith("no_loss_tokens: cut from 9 to 0 tokens (at most 7)")
+
+
 def test_a_cut_sample_says_so_and_one_left_without_loss_tokens_is_skipped(api):
     body = {
         "max_length": 3,
@@ -75,7 +93,8 @@ def test_a_cut_sample_says_so_and_one_left_without_loss_tokens_is_skipped(api):
     assert samples["whole"]["truncated_from"] is None
     assert samples["no-loss"]["state"] == "skipped"
     assert (
-        samples["no-loss"]["last_error"] == "no_loss_tokens: cut from 4 to 3 tokens, no token of the loss mask is left"
+        samples["no-loss"]["last_error"]
+        == "no_loss_tokens: cut from 4 to 3 tokens (at most 3), no token of the loss mask is left"
     )
 
 

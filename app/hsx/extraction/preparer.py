@@ -37,6 +37,7 @@ from hsx.db import repository as repo
 from hsx.extraction.database import Database
 from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.server_watch import ServerWatch
+from hsx.lengths import kept_tokens
 from hsx.matching import Serves, prepares
 from hsx.states import JobState, SampleState
 from hsx.wire import NO_LOSS_TOKENS, JobOptions
@@ -275,10 +276,11 @@ class Preparer:
                 return repo.Prepared(pk, SampleState.SKIPPED, reason=why, conversation=conversation)
             if options.length_policy == "reject":
                 return repo.Prepared(pk, SampleState.FAILED, reason=why, conversation=conversation)
-            ids, mask, truncated_from = ids[:limit], mask[:limit], n
+            kept = kept_tokens(mask, limit, options.length_policy)
+            ids, mask, truncated_from = ids[:kept], mask[:kept], n
         if options.loss != "all" and not mask.any():
             why = NO_LOSS_TOKENS + (
-                f": cut from {n} to {limit} tokens, no assistant token is left"
+                f": cut from {n} to {len(ids)} tokens (at most {limit}), no assistant token is left"
                 if truncated_from is not None
                 else ": the conversation has no assistant turn to learn from"
             )

@@ -27,6 +27,7 @@ from hsx.chat.formats import ConversationError, conversation_of
 from hsx.db.locks import hold_disk_budget
 from hsx.db.models import JobRow
 from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
+from hsx.lengths import kept_tokens
 from hsx.names import shown
 from hsx.service.errors import FieldError, InsufficientStorage, InvalidInput, OutsideInputRoot, Where
 from hsx.service.json_body import cut_turns
@@ -160,10 +161,14 @@ class Ingest:
                 self.too_long = True  # refused whatever on_invalid says: length has its own policy
                 err("input_ids", self._too_long(len(ids)))
                 return None
-            id_array = id_array[:limit]
-            mask_array = None if mask_array is None else mask_array[:limit]
+            kept = kept_tokens(mask_array, limit, policy)
+            id_array = id_array[:kept]
+            mask_array = None if mask_array is None else mask_array[:kept]
             if mask_array is not None and not mask_array.any():
-                why = f"{NO_LOSS_TOKENS}: cut from {len(ids)} to {limit} tokens, no token of the loss mask is left"
+                why = (
+                    f"{NO_LOSS_TOKENS}: cut from {len(ids)} to {kept} tokens (at most {limit}), no token of the "
+                    "loss mask is left"
+                )
                 return NewSample(sid, b"", None, 0, SampleState.SKIPPED, reason=why)
         packed_mask = None if mask_array is None or mask_array.all() else mask_array.tobytes()
         cut = len(ids) if len(id_array) < len(ids) else None

@@ -91,8 +91,9 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         "--length-policy",
         choices=get_args(LengthPolicy),
         default=_DEFAULTS.length_policy,
-        help="a sample over --max-length (or the server's limit): keep its first N tokens, skip it, or refuse the "
-        "whole job (default: %(default)s)",
+        help="a sample over --max-length (or the server's limit): keep its first N tokens (truncate), keep its "
+        "whole turns up to the last answer that ends within N (truncate_turns), skip it, or refuse the whole job "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--on-invalid",
