@@ -49,6 +49,9 @@ def test_renders_equal_the_in_process_ones(process, folders):
         ours, theirs = process.render(str(folders["llama3"]), TWO_TURNS, loss), local.render(TWO_TURNS, loss)
         assert ours.input_ids.tolist() == theirs.input_ids.tolist()
         assert ours.loss_mask.tolist() == theirs.loss_mask.tolist()
+    limited = process.render(str(folders["llama3"]), TWO_TURNS, "assistant", limit=8)
+    assert limited.loss_mask.tolist() == local.render(TWO_TURNS, "assistant", limit=8).loss_mask.tolist()
+    assert limited.loss_mask.sum() < local.render(TWO_TURNS).loss_mask.sum(), "the limit reached the child"
     facts = process.facts(str(folders["llama3"]))
     assert (facts.stop_ids, facts.end_of_turn, facts.fingerprint) == (
         local.eos_ids,

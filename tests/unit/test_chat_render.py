@@ -255,3 +255,24 @@ def test_without_transformers_loading_names_the_extra_to_install(tmp_path, folde
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("chat templates need transformers: pip install 'hsx-server[chat]'")
+
+
+@pytest.mark.parametrize("name", TEMPLATES, ids=list(TEMPLATES))
+def test_a_limit_keeps_the_mask_of_the_kept_tokens_and_looks_for_no_turn_past_them(templates, name, monkeypatch):
+    """With `limit` the mask is the whole render's for the first limit + 1 tokens; the turns past them, which
+    cost a rendering of the conversation each, are not looked for."""
+    template = templates[name]
+    messages = [
+        m for i in range(40) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})
+    ]
+    whole = template.render(messages)
+    calls = []
+    text = template.text
+    monkeypatch.setattr(template, "text", lambda m, **kw: calls.append(len(m)) or text(m, **kw))
+    limit = len(whole.input_ids) // 4
+    cut = template.render(messages, limit=limit)
+    assert cut.input_ids.tolist() == whole.input_ids.tolist()
+    assert cut.loss_mask[: limit + 1].tolist() == whole.loss_mask[: limit + 1].tolist()
+    assert cut.loss_mask[: limit + 1].any() and cut.loss_mask.sum() < whole.loss_mask.sum()
+    assert max(calls[1:]) < len(messages) // 2, "turns past the limit were rendered for"
+    assert template.render(messages, limit=len(whole.input_ids)).loss_mask.tolist() == whole.loss_mask.tolist()

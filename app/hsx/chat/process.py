@@ -83,9 +83,12 @@ class TemplateProcess:
         out = self._call({"op": "facts", "folder": folder}, abort)
         return TemplateFacts(out["fingerprint"], out["stop_ids"], out["end_of_turn"])
 
-    def render(self, folder: str, messages: list[Message], loss: str, abort: Abort = _never) -> RenderedIds:
-        """The conversation's ids and loss mask (hsx.chat.render.ChatTemplate.render)."""
-        out = self._call({"op": "render", "folder": folder, "messages": messages, "loss": loss}, abort)
+    def render(
+        self, folder: str, messages: list[Message], loss: str, abort: Abort = _never, limit: int | None = None
+    ) -> RenderedIds:
+        """The conversation's ids and loss mask (hsx.chat.render.ChatTemplate.render, `limit` as there)."""
+        request = {"op": "render", "folder": folder, "messages": messages, "loss": loss, "limit": limit}
+        out = self._call(request, abort)
         return RenderedIds(_ids(out["input_ids"], np.int32), _ids(out["loss_mask"], np.uint8))
 
     def continuation(
@@ -229,7 +232,7 @@ def _handle(templates: _Templates, request: dict[str, Any]) -> dict[str, Any]:
                 "end_of_turn": template.end_of_turn_ids,
             }
         elif op == "render":
-            rendered = template.render(request["messages"], request["loss"])
+            rendered = template.render(request["messages"], request["loss"], request.get("limit"))
             result = {
                 "input_ids": _packed(rendered.input_ids, np.int32),
                 "loss_mask": _packed(rendered.loss_mask, np.uint8),

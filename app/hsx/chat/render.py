@@ -92,9 +92,11 @@ class ChatTemplate:
                 f"{folder}: the chat template fails on a two-turn conversation: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def render(self, messages: list[Message], loss: LossPolicy = "assistant") -> Rendered:
-        """The conversation's ids and loss mask. Raises ConversationError for one the template refuses or
-        whose assistant turns cannot be found (hsx.chat.spans)."""
+    def render(self, messages: list[Message], loss: LossPolicy = "assistant", limit: int | None = None) -> Rendered:
+        """The conversation's ids and loss mask. With `limit`, the most tokens the sample may keep, the mask
+        is exact for its first limit + 1 tokens (what a length policy reads) and zero after them: the turns
+        past them, which would cost the most to find, are not looked for. Raises ConversationError for a
+        conversation the template refuses or whose assistant turns cannot be found (hsx.chat.spans)."""
         if loss not in LOSS_POLICIES:
             raise ValueError(f"unknown loss policy {loss!r}; expected one of {', '.join(LOSS_POLICIES)}")
         text = self.text(messages, generation_prompt=False)
@@ -103,8 +105,11 @@ class ChatTemplate:
         if loss == "all":
             mask = np.ones(len(ids), dtype=np.uint8)
         else:
-            spans = assistant_spans(self._render_text, messages, text, last_only=loss == "last_assistant")
             offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+            # a turn starting at or after the end of token `limit` marks none of the tokens up to it
+            before = int(offsets[limit, 1]) if limit is not None and len(offsets) > limit else None
+            last_only = loss == "last_assistant"
+            spans = assistant_spans(self._render_text, messages, text, last_only=last_only, before=before)
             mask = token_mask(offsets, spans)
         return Rendered(input_ids=ids, loss_mask=mask, text=text)
 

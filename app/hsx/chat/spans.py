@@ -23,13 +23,23 @@ RenderText = Callable[[list[Message], bool], str]
 Span = tuple[int, int]  # characters [start, end) of the rendered text
 
 
-def assistant_spans(render_text: RenderText, messages: list[Message], text: str, *, last_only: bool) -> list[Span]:
+def assistant_spans(
+    render_text: RenderText, messages: list[Message], text: str, *, last_only: bool, before: int | None = None
+) -> list[Span]:
     """The character spans of the assistant turns (only the last one's with `last_only`) in `text`, the
-    rendering of the whole of `messages`."""
+    rendering of the whole of `messages`; with `before`, only those of the turns that start before that
+    character. Each turn costs a rendering of the conversation up to it, so the cost grows with the square
+    of the turns: a sample that will be cut needs only the turns its kept part holds."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if last_only:
         turns = turns[-1:]
-    return [turn_span(render_text, messages, text, i) for i in turns]
+    spans = []
+    for i in turns:
+        span = turn_span(render_text, messages, text, i)
+        if before is not None and span[0] >= before:
+            break
+        spans.append(span)
+    return spans
 
 
 def turn_span(render_text: RenderText, messages: list[Message], text: str, i: int) -> Span:

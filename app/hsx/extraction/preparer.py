@@ -241,11 +241,12 @@ class Preparer:
         if options.regenerate is not None:
             return asyncio.run(self._regenerate(batch, folder, facts, options, abort))
         results = []
+        limit, _ = self._length_limit(options)  # what is cut off needs no turns found (hsx.chat.spans)
         for item in batch:
             if abort():
                 break
             try:
-                rendered = self.templates.render(folder, _messages(item), options.loss, abort)
+                rendered = self.templates.render(folder, _messages(item), options.loss, abort, limit)
             except RenderFailed as exc:
                 if exc.code == "aborted":
                     break
