@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -206,5 +207,25 @@ def test_hsx_vllm_json_wins_and_a_flag_that_disagrees_is_refused(tmp_path, fake)
     s = server(tmp_path, fake, [2, 4, 5, 8])
     engine = VLLMEngine.discover(look(s))
     assert engine is not None and engine.capture.boot_id == "b1" and engine.capture.dtype == "float32"
-    assert not any(p == "/metrics" for p in fake.asked), "the connector's boot id, not the start time"
+    assert engine.capture.boot_id == "b1", "the connector's boot id, not the start time"
+    s.close()
+
+
+def test_an_hsx_vllm_json_older_than_the_server_now_running_is_refused(tmp_path, fake):
+    """An earlier vLLM with hsx's connector left hsx-vllm.json; the one now running (vLLM's own connector)
+    writes none: its layers and boot id would be taken for this server's."""
+    s = server(tmp_path, fake, None)
+    info = {"format": VLLM_INFO_FORMAT, "layers": [2, 8], "num_hidden_layers": 8, "hidden_size": 256}
+    path = s.root.path / VLLM_INFO_FILE
+    path.write_text(json.dumps({**info, "dtype": "float32", "model_path": "/m", "boot_id": "old"}))
+    started = 1.79637827367e09
+    os.utime(path, (started - 3600, started - 3600))
+    with pytest.raises(CaptureProblem, match="written 3600 s before the vLLM now running started"):
+        VLLMEngine.discover(look(s))
+    os.utime(path, (started + 5, started + 5))  # written by this server's connector, after its start
+    engine = VLLMEngine.discover(look(s))
+    assert engine is not None and engine.capture.boot_id == "old"
+    fake.metrics = None  # several API servers: no start time to hold the file to
+    os.utime(path, (started - 3600, started - 3600))
+    assert VLLMEngine.discover(look(s)) is not None
     s.close()

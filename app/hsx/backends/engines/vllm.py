@@ -286,9 +286,33 @@ def _capture(server: Server, info: dict[str, Any] | None, card: dict[str, Any], 
                 f"--capture-layers {said} disagrees with the {capture.layers} that {VLLM_INFO_FILE} in the dump "
                 "root gives: leave --capture-layers unset with hsx's connector"
             )
+        if boot:
+            _refuse_stale_info(server)
         return capture
     started = _started_at(server) if boot else None
     return stock_capture(said, card, started)
+
+
+# hsx's connector writes hsx-vllm.json after the API server's process starts; a file older than that start
+# by more than this (room for a file system whose clock is not the server's) was left by an earlier server.
+STALE_INFO_S = 60.0
+
+
+def _refuse_stale_info(server: Server) -> None:
+    """CaptureProblem when hsx-vllm.json predates the server now running: an earlier vLLM with hsx's connector
+    left it, and this one (vLLM's own connector, say) writes none, so its layers and boot id are not this
+    server's. Not checked where /metrics gives no start time."""
+    started = _started_at(server)
+    try:
+        written = (server.root.path / VLLM_INFO_FILE).stat().st_mtime
+    except OSError:
+        return
+    if started is not None and written < started - STALE_INFO_S:
+        raise CaptureProblem(
+            f"{VLLM_INFO_FILE} in the dump root was written {started - written:.0f} s before the vLLM now running "
+            "started: an earlier server with hsx's connector left it, and this one writes none. Remove it and "
+            "give --capture-layers (vLLM's own connector), or start vLLM with hsx's connector"
+        )
 
 
 def _started_at(server: Server) -> float | None:
