@@ -70,11 +70,26 @@ def choice_key(choice: list[int] | str) -> str | None:
 
 def regeneration_needs(options: dict[str, Any] | None) -> tuple[bool, bool]:
     """(whether a job's answers are regenerated, whether by sampling with a seed that must hold), from its
-    options: a seed only matters where sampling is not greedy."""
+    options: a seed only matters where sampling is not greedy, and holds unless the job said `warn`."""
     regenerate = (options or {}).get("regenerate")
     if not regenerate:
         return False, False
-    return True, regenerate.get("seed") is not None and float(regenerate.get("temperature") or 0) > 0
+    seeded = regenerate.get("seed") is not None and float(regenerate.get("temperature") or 0) > 0
+    return True, seeded and regenerate.get("seed_ignored", "refuse") == "refuse"
+
+
+def ignores_seed(server: dict[str, Any] | None, options: dict[str, Any] | None) -> bool:
+    """Whether a writer whose server is `server` would sample a job's answers without the seed it gives (a job
+    that said `seed_ignored: warn`; any other is not prepared there)."""
+    regenerate = (options or {}).get("regenerate") or {}
+    seeded = regenerate.get("seed") is not None and float(regenerate.get("temperature") or 0) > 0
+    return seeded and (server or {}).get("applies_seed") is not True
+
+
+SEED_IGNORED = (
+    "regenerate.seed was ignored: the model server that generated answers does not apply sampling seeds "
+    "(SGLang without --enable-deterministic-inference), so a rerun gives other answers"
+)
 
 
 def prepares(server: dict[str, Any] | None, options: dict[str, Any] | None) -> bool:
@@ -89,7 +104,8 @@ REGENERATE_NEEDS = (
 )
 SEED_NEEDS = (
     "regenerate.seed with a temperature above 0 needs a server that applies sampling seeds: SGLang applies them "
-    "only when launched with --enable-deterministic-inference (launch it so, or leave the seed out)"
+    "only when launched with --enable-deterministic-inference (launch it so, leave the seed out, or set "
+    "regenerate.seed_ignored to warn)"
 )
 
 

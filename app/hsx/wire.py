@@ -207,6 +207,10 @@ MAX_NEW_TOKENS = 32768
 NO_LOSS_TOKENS = "no_loss_tokens"
 
 
+# A seed the servers would ignore (hsx.matching.ignores_seed): refuse the job, or run it with a warning.
+SeedIgnored = Literal["refuse", "warn"]
+
+
 class RegenerateOptions(BaseModel):
     """Regenerate every assistant turn with the model server before extraction. Numbers are strict, as
     every number of a job's body: `"8"` or `true` is refused, not read as 8 or 1."""
@@ -218,6 +222,12 @@ class RegenerateOptions(BaseModel):
     top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
     seed: StrictInt | None = Field(
         default=None, ge=0, le=2**63 - 1, description="sampling seed, for answers that can be redone"
+    )
+    seed_ignored: SeedIgnored = Field(
+        default="refuse",
+        description="a seed with a temperature above 0 where the servers that may regenerate ignore seeds (SGLang "
+        "without --enable-deterministic-inference): refuse the job (422 at creation; it waits while no writer "
+        "has said), or warn: run it, its answers not redone by the seed, the job's `warning` saying so",
     )
     concurrency: StrictInt = Field(default=8, ge=1, le=256, description="generation requests in flight per writer")
 
@@ -376,6 +386,9 @@ class JobOut(BaseModel):
     name: str | None
     state: JobStateValue
     error: str | None = Field(description="why the job failed as a whole, e.g. the server captures other layers")
+    warning: str | None = Field(
+        None, description="what the job ran without that it asked for, e.g. a sampling seed its server ignored"
+    )
     waiting_reason: str | None = Field(None, description="why an active job makes no progress right now")
     created_at: datetime
     started_at: datetime | None = Field(description="when its first sample was claimed")

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import subprocess
+import time
 
 import pytest
 import torch
@@ -265,6 +266,38 @@ def test_truncate_turns_keeps_whole_answers(tmp_path, chat_model, database_url):
         skipped = svc.wait_job(svc.post_job(short).json()["id"])
         only = svc.get(f"/v1/jobs/{skipped['id']}/samples/two").json()
         assert only["state"] == "skipped" and only["last_error"].startswith("no_loss_tokens: cut from"), only
+    finally:
+        svc.stop()
+        ref.stop()
+
+
+def test_a_seed_the_server_ignores_is_refused_or_run_with_a_warning_as_the_job_says(tmp_path, chat_model, database_url):
+    """The reference server, like SGLang without --enable-deterministic-inference, applies no sampling seed."""
+    conversations = [{"id": f"w{i}", "messages": as_messages(c["conversations"])} for i, c in enumerate(sharegpt(2, 4))]
+    ref = start_reference(tmp_path, chat_model)
+    svc = start_service(tmp_path, database_url, backend_url=ref.url, dump_root=ref.dump_root)
+    try:
+        deadline = time.monotonic() + 60
+        while ((svc.get("/healthz").json().get("writer") or {}).get("server") or {}).get("applies_seed") is None:
+            assert time.monotonic() < deadline, "the writer never said what its server is"
+            time.sleep(0.2)
+        assert svc.get("/healthz").json()["writer"]["server"]["applies_seed"] is False
+        seeded = {"max_new_tokens": 4, "temperature": 0.7, "seed": 7}
+        refused = svc.post_job({"samples": conversations, "regenerate": seeded})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["errors"][0]["field"] == "regenerate.seed"
+        assert "seed_ignored to warn" in refused.json()["errors"][0]["message"]
+
+        resp = svc.post_job({"samples": conversations, "regenerate": {**seeded, "seed_ignored": "warn"}})
+        assert resp.status_code == 202, resp.text
+        job = svc.wait_job(resp.json()["id"])
+        assert job["state"] == "succeeded" and job["warning"].startswith("regenerate.seed was ignored"), job
+        shown = hsx_cli(svc.url, "status", job["id"])
+        assert shown.returncode == 0 and f"warning: {job['warning']}" in shown.stdout, shown.stdout
+
+        greedy = svc.post_job({"samples": conversations, "regenerate": {"max_new_tokens": 4, "seed": 7}})
+        assert greedy.status_code == 202, "a seed under greedy decoding changes nothing: never refused"
+        assert svc.wait_job(greedy.json()["id"])["warning"] is None
     finally:
         svc.stop()
         ref.stop()

@@ -132,7 +132,7 @@ def test_integral_numbers_stay_integers(service):
     assert resp.json()["options"]["max_length"] == 10
 
 
-@pytest.mark.parametrize("option", ["temperature=0.5", "top_p=0.9", "seed=3", "concurrency=2"])
+@pytest.mark.parametrize("option", ["temperature=0.5", "top_p=0.9", "seed=3", "seed_ignored=warn", "concurrency=2"])
 def test_sampling_options_without_regenerate_are_refused(service, unchanged, option):
     line = (json.dumps({"messages": turns(2)}) + "\n").encode()
     resp = service.client.post(f"{service.url}/v1/jobs?regenerate_{option}", content=line, headers=NDJSON)
@@ -148,7 +148,11 @@ def test_sampling_options_with_regenerate_are_taken(service):
     assert resp.status_code == 202, resp.text
     regenerate = resp.json()["options"]["regenerate"]
     assert (regenerate["max_new_tokens"], regenerate["temperature"], regenerate["seed"]) == (4, 0.5, 3)
-    assert (regenerate["top_p"], regenerate["concurrency"]) == (1.0, 8), "the defaults"
+    assert (regenerate["top_p"], regenerate["concurrency"], regenerate["seed_ignored"]) == (1.0, 8, "refuse")
+    resp = service.client.post(
+        f"{service.url}/v1/jobs?{query}&regenerate_seed_ignored=warn", content=line, headers=NDJSON
+    )
+    assert resp.status_code == 202 and resp.json()["options"]["regenerate"]["seed_ignored"] == "warn", resp.text
 
 
 @pytest.mark.parametrize("media", ["application/json", "application/x-ndjson"])

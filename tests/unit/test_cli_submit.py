@@ -21,6 +21,7 @@ NOWHERE = "http://127.0.0.1:9"
         (["--temperature", "0.7"], "--temperature"),
         (["--top-p", "0.9"], "--top-p"),
         (["--seed", "3", "--temperature", "0"], "--temperature, --seed"),
+        (["--seed-ignored", "warn"], "--seed-ignored"),
     ],
 )
 def test_sampling_flags_without_regenerate_are_a_usage_error(tmp_path, capsys, flags, named):
@@ -38,3 +39,8 @@ def test_sampling_flags_with_regenerate_are_sent_and_the_rest_are_the_apis_defau
     assert checked.regenerate is not None
     assert (checked.regenerate.max_new_tokens, checked.regenerate.seed) == (16, 3)
     assert (checked.regenerate.temperature, checked.regenerate.top_p) == (0.0, 1.0)
+    assert checked.regenerate.seed_ignored == "refuse"
+    args = parser.parse_args(
+        ["x.jsonl", "--regenerate", "16", "--seed", "3", "--temperature", "1", "--seed-ignored", "warn"]
+    )
+    assert JobOptions.model_validate(submit.job_options(args)).regenerate.seed_ignored == "warn"

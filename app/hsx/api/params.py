@@ -14,7 +14,16 @@ from pydantic import ValidationError
 
 from hsx.names import JOB_ID_FORM, MAX_LENGTH, PATTERN, PlainText
 from hsx.service.errors import InvalidInput
-from hsx.wire import MAX_NEW_TOKENS, Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy, RegenerateOptions
+from hsx.wire import (
+    MAX_NEW_TOKENS,
+    Encoding,
+    InvalidPolicy,
+    JobOptions,
+    LengthPolicy,
+    LossPolicy,
+    RegenerateOptions,
+    SeedIgnored,
+)
 
 
 def _in_path(description: str) -> Any:
@@ -88,6 +97,10 @@ def ndjson_options(
     regenerate_seed: Annotated[
         int | None, Query(ge=0, le=2**63 - 1, description="with regenerate_max_new_tokens; default none")
     ] = None,
+    regenerate_seed_ignored: Annotated[
+        SeedIgnored | None,
+        Query(description=f"with regenerate_max_new_tokens; default {_REGENERATE.seed_ignored} (see JobCreate)"),
+    ] = None,
     regenerate_concurrency: Annotated[
         int | None,
         Query(ge=1, le=256, description=f"with regenerate_max_new_tokens; default {_REGENERATE.concurrency}"),
@@ -101,6 +114,7 @@ def ndjson_options(
         "temperature": regenerate_temperature,
         "top_p": regenerate_top_p,
         "seed": regenerate_seed,
+        "seed_ignored": regenerate_seed_ignored,
         "concurrency": regenerate_concurrency,
     }
     given = {k: v for k, v in given.items() if v is not None}

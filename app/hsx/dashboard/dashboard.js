@@ -277,6 +277,7 @@ function jobsPage() {
           badge(job.state),
           job.waiting_reason && h("div", { class: "note" }, `Waiting: ${job.waiting_reason}`),
           job.error && h("div", { class: "note error" }, job.error),
+          job.warning && h("div", { class: "note" }, `Warning: ${job.warning}`),
         ),
         cell("Progress", progress(job)),
         cell(
@@ -608,6 +609,7 @@ function head(j) {
     j.name && h("p", { class: "muted mono" }, j.id),
     j.waiting_reason && h("p", { class: "note", role: "status" }, `Waiting: ${j.waiting_reason}`),
     j.error && h("p", { class: "note error" }, `Failed: ${j.error}`),
+    j.warning && h("p", { class: "note" }, `Warning: ${j.warning}`),
     j.disk_warning && h("p", { class: "note" }, `Disk: ${j.disk_warning}`),
   );
 }

@@ -42,6 +42,8 @@ class JobRow(Base):
     name: Mapped[str | None] = mapped_column(String(200))
     state: Mapped[str] = mapped_column(String(16), default=JobState.QUEUED)
     error: Mapped[str | None] = mapped_column(Text)
+    # what the job ran without that it asked for (a sampling seed its server ignored); NULL: nothing
+    warning: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -38,7 +38,7 @@ from hsx.extraction.database import Database
 from hsx.extraction.finishing import JobFinisher
 from hsx.extraction.server_watch import ServerWatch
 from hsx.lengths import kept_tokens
-from hsx.matching import Serves, prepares
+from hsx.matching import SEED_IGNORED, Serves, ignores_seed, prepares
 from hsx.states import JobState, SampleState
 from hsx.wire import NO_LOSS_TOKENS, JobOptions
 
@@ -171,6 +171,9 @@ class Preparer:
         """Prepare and store one claimed batch; its samples left unstored are released."""
         if self.health.state != "failing":  # a retry stays failing until it gets through: no flapping
             self.health.set("preparing")
+        said = {"applies_seed": self.server.applies_seed}
+        if options.regenerate is not None and ignores_seed(said, options.model_dump(mode="json")):
+            self.db.run(lambda s: repo.warn_job(s, job_id, SEED_IGNORED))
         try:
             results = self._prepare(batch, folder, facts, options, abort)
             self._store(job_id, results)

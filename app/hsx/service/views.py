@@ -52,6 +52,7 @@ def job_out(job: JobRow, waiting: str | None = None, attempts: list[tuple[str, s
         name=job.name,
         state=job.state,
         error=job.error,
+        warning=job.warning,
         created_at=utc(job.created_at),
         waiting_reason=waiting if extracting else None,
         started_at=started,

@@ -217,6 +217,8 @@ def outcome(job: Job, *, as_json: bool) -> int:
             + (f"; see: hsx samples {job.id} --state failed" if job.counts.failed else ""),
             file=sys.stderr,
         )
+    if job.warning and not as_json:
+        print(f"job {job.id}: warning: {job.warning}", file=sys.stderr)
     if job.state == JobState.SUCCEEDED:
         return 0
     return EXIT_PARTIAL if job.state == JobState.PARTIAL else EXIT_FAILED

@@ -62,6 +62,8 @@ def describe(job: Job) -> list[str]:
         )
     if job.error:
         lines.append(f"error: {job.error}")
+    if job.warning:
+        lines.append(f"warning: {job.warning}")
     return lines + attempt_lines(job)
 
 

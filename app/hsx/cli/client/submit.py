@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, add_quiet, follow, outcome, print_json, run
 from hsx.cli.progress import PROGRESS_NOTE, progress
 from hsx.layers import ANY_LAYERS, DEFAULT_LAYER_SET, LAYER_SETS, layer_choice_arg
-from hsx.wire import Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy, RegenerateOptions
+from hsx.wire import Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy, RegenerateOptions, SeedIgnored
 
 if TYPE_CHECKING:
     from hsx.sdk import HsxClient, Job
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # The flags' choices and defaults are the API's own (hsx.wire), never a second list.
 _DEFAULTS = JobOptions.model_validate({})
 _REGENERATE = RegenerateOptions(max_new_tokens=1)  # what a regeneration takes for the flags not given
-_SAMPLING = {"temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
+_SAMPLING = {"temperature": "--temperature", "top_p": "--top-p", "seed": "--seed", "seed_ignored": "--seed-ignored"}
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +120,12 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--top-p", type=float, help=f"with --regenerate (default: {_REGENERATE.top_p})")
     group.add_argument("--seed", type=int, help="with --regenerate: the sampling seed (default: none)")
+    group.add_argument(
+        "--seed-ignored",
+        choices=get_args(SeedIgnored),
+        help="with --seed and a temperature above 0, where the servers ignore seeds: refuse the job, or run it and "
+        f"say so on the job (default: {_REGENERATE.seed_ignored})",
+    )
     parser.add_argument(
         "--encoding",
         choices=get_args(Encoding),

@@ -37,6 +37,7 @@ from hsx.db.repository.jobs import (
     pending_output_bytes,
     retry_failed,
     set_job_model_info,
+    warn_job,
 )
 from hsx.db.repository.output_root import record_output_root, recorded_output_root
 from hsx.db.repository.preparing import (
@@ -164,5 +165,6 @@ __all__ = [
     "store_prepared",
     "utcnow",
     "waiting",
+    "warn_job",
     "writer_limits",
 ]

@@ -359,6 +359,11 @@ def finish_job_if_done(session: Session, job_id: str) -> bool:
     return rowcount(result) == 1
 
 
+def warn_job(session: Session, job_id: str, warning: str) -> None:
+    """Say on the job what it runs without that it asked for; the first warning stays."""
+    session.execute(update(JobRow).where(JobRow.id == job_id, JobRow.warning.is_(None)).values(warning=warning))
+
+
 def fail_job(session: Session, job_id: str, reason: str) -> None:
     """A job that cannot run at all (e.g. server settings that break dumps, a tokenizer that cannot be
     loaded): fail what is queued or waiting to be prepared."""
