@@ -19,8 +19,8 @@ def api_only(request, tmp_path_factory):
 
 
 @pytest.fixture
-def unchanged(api_only):
-    """Asserts at the end of the test that no job or sample was stored by it."""
-    before = stored_rows(api_only.database_url)
+def unchanged(service):
+    """Asserts at the end of the test that no job or sample was stored by it (`service`: the module's)."""
+    before = stored_rows(service.database_url)
     yield
-    assert stored_rows(api_only.database_url) == before
+    assert stored_rows(service.database_url) == before

@@ -39,14 +39,6 @@ def service(request, tmp_path_factory):
     svc.stop()
 
 
-@pytest.fixture
-def unchanged(service):
-    """Asserts at the end of the test that no job or sample was stored by it."""
-    before = stored_rows(service.database_url)
-    yield
-    assert stored_rows(service.database_url) == before
-
-
 def lines(n: int, seed: int = 0, width: int = 3) -> bytes:
     return b"".join(
         json.dumps({"id": f"s{seed}-{i}", "input_ids": [(seed + i + k) % 300 for k in range(width)]}).encode() + b"\n"
