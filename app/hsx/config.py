@@ -3,7 +3,6 @@ order). The descriptions are the flags' help (`hsx serve --help`)."""
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from hsx.layers import check_layers, parse_layers
 from hsx.sources import AUTO, Source, SourceChoice, source_help
 
 TOKEN_ROLES = ("write", "read")
@@ -257,17 +257,14 @@ class Settings(BaseSettings):
 
 
 def parse_layer_list(spec: str) -> list[int] | None:
-    """ "2,4,5,8" -> [2, 4, 5, 8]; "" -> None. Anything but strictly ascending non-negative integers is an
+    """ "2,4,5,8" -> [2, 4, 5, 8]; "" -> None. Anything but ascending, unique, non-negative layer numbers is an
     error: a server's files hold each layer once, ascending, and a list in another order would label them wrongly."""
-    parts = _listed(spec)
-    if not parts:
+    if not _listed(spec):
         return None
-    if not all(part.isdigit() for part in parts):
-        raise ValueError(f"{spec!r} is not a comma-separated list of layer numbers (non-negative integers)")
-    layers = [int(part) for part in parts]
-    if any(b <= a for a, b in itertools.pairwise(layers)):
-        raise ValueError(f"{spec!r}: list the layers ascending, each once, as the server's files hold them")
-    return layers
+    try:
+        return check_layers(parse_layers(spec))
+    except ValueError as exc:
+        raise ValueError(f"{spec!r}: {exc}") from None
 
 
 def _listed(spec: str) -> list[str]:

@@ -13,7 +13,6 @@ from typing import Literal
 import numpy as np
 
 LengthPolicy = Literal["truncate", "truncate_turns", "skip", "reject"]
-CUTTING: tuple[LengthPolicy, ...] = ("truncate", "truncate_turns")
 
 
 def kept_tokens(mask: np.ndarray | None, limit: int, policy: LengthPolicy) -> int:

@@ -74,16 +74,19 @@ def regeneration_needs(options: dict[str, Any] | None) -> tuple[bool, bool]:
     regenerate = (options or {}).get("regenerate")
     if not regenerate:
         return False, False
-    seeded = regenerate.get("seed") is not None and float(regenerate.get("temperature") or 0) > 0
-    return True, seeded and regenerate.get("seed_ignored", "refuse") == "refuse"
+    return True, _samples_with_seed(regenerate) and regenerate.get("seed_ignored", "refuse") == "refuse"
+
+
+def _samples_with_seed(regenerate: dict[str, Any]) -> bool:
+    """A seed only matters where sampling is not greedy."""
+    return regenerate.get("seed") is not None and float(regenerate.get("temperature") or 0) > 0
 
 
 def ignores_seed(server: dict[str, Any] | None, options: dict[str, Any] | None) -> bool:
     """Whether a writer whose server is `server` would sample a job's answers without the seed it gives (a job
     that said `seed_ignored: warn`; any other is not prepared there)."""
     regenerate = (options or {}).get("regenerate") or {}
-    seeded = regenerate.get("seed") is not None and float(regenerate.get("temperature") or 0) > 0
-    return seeded and (server or {}).get("applies_seed") is not True
+    return _samples_with_seed(regenerate) and (server or {}).get("applies_seed") is not True
 
 
 SEED_IGNORED = (

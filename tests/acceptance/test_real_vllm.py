@@ -14,19 +14,18 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.real_vllm import VLLM, items, largest_difference, vllm_python
+from tests.support.real_vllm import EAGLE3_LAYERS, VLLM, items, largest_difference, tiny_model, vllm_python
 from tests.support.stack import Service, start_service
-from tests.support.tiny_llama import NUM_LAYERS, VOCAB, make_model
+from tests.support.tiny_llama import VOCAB
 
 pytestmark = pytest.mark.slow  # one real vLLM for the module: 30-95 s to start
 
-LAYERS = [2, NUM_LAYERS // 2, NUM_LAYERS - 3, NUM_LAYERS]  # EAGLE-3's three and the last, pre-norm
+LAYERS = EAGLE3_LAYERS
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    path = tmp_path_factory.mktemp("model")
-    return path, make_model(path)
+    return tiny_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")

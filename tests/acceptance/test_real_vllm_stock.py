@@ -18,20 +18,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.real_vllm import STOCK_ON_CPU, VLLM, items, largest_difference, vllm_python
+from tests.support.real_vllm import (
+    EAGLE3_LAYERS,
+    STOCK_ON_CPU,
+    VLLM,
+    items,
+    largest_difference,
+    tiny_model,
+    vllm_python,
+)
 from tests.support.stack import Service, start_service
-from tests.support.tiny_llama import NUM_LAYERS, make_model
 
 pytestmark = pytest.mark.slow  # one real vLLM for the module: 30-95 s to start, and a restart
 
-LAYERS = [2, NUM_LAYERS // 2, NUM_LAYERS - 3, NUM_LAYERS]  # EAGLE-3's three and the last, pre-norm
+LAYERS = EAGLE3_LAYERS
 CAPTURE = ",".join(map(str, LAYERS))
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    path = tmp_path_factory.mktemp("model")
-    return path, make_model(path)
+    return tiny_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")

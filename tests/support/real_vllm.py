@@ -22,15 +22,23 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from hsx.layers import eagle3_capture_layers
 from hsx.manifest import load_manifest, read_sample
 from tests.support.engine_server import EngineServer
 from tests.support.stack import Service
-from tests.support.tiny_llama import NUM_LAYERS, VOCAB
+from tests.support.tiny_llama import NUM_LAYERS, VOCAB, make_model
 
 ENV_SCRIPT = Path(__file__).resolve().parent / "engines" / "vllm-env.sh"
 # (class, module) of a connector
 HSX_CONNECTOR = ("HiddenStatesConnector", "hsx_vllm.connector")
 STOCK_ON_CPU = ("CpuCopyConnector", "hsx_vllm.connector")
+# EAGLE-3's three aux layers and the last, which vLLM gives before the final norm
+EAGLE3_LAYERS = eagle3_capture_layers(NUM_LAYERS)
+
+
+def tiny_model(folder: Path) -> tuple[Path, torch.nn.Module]:
+    """The tests' tiny float32 Llama saved in `folder`: its path (what vLLM serves) and the model (the truth)."""
+    return folder, make_model(folder)
 
 
 def vllm_python() -> str:

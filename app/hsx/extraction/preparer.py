@@ -172,7 +172,7 @@ class Preparer:
         if self.health.state != "failing":  # a retry stays failing until it gets through: no flapping
             self.health.set("preparing")
         said = {"applies_seed": self.server.applies_seed}
-        if options.regenerate is not None and ignores_seed(said, options.model_dump(mode="json")):
+        if ignores_seed(said, options.model_dump(mode="json")):
             self.db.run(lambda s: repo.warn_job(s, job_id, SEED_IGNORED))
         try:
             results = self._prepare(batch, folder, facts, options, abort)

@@ -170,13 +170,13 @@ class VLLMEngine(Engine):
         says; with auto, None when neither is there, or when only --capture-layers is and the server does not
         say it is vLLM."""
         server = look.server
-        root, said = server.root.path, server.capture_layers
-        info = read_vllm_info(root)
-        if look.auto and info is None and (said is None or not _says_vllm(server)):
+        info = read_vllm_info(server.root.path)
+        if look.auto and info is None and server.capture_layers is None:
             return None
-        client = server.client(VLLMClient)
-        client.health()
-        card = client.card()
+        card = _card(server, auto=look.auto and info is None)
+        if card is None:
+            return None
+        server.client(VLLMClient).health()
         capture = _capture(server, info, card)
         return cls(server, capture, model=str(card["id"]))
 
@@ -185,9 +185,11 @@ class VLLMEngine(Engine):
         """Its context length less the one token each request generates, and the vocabulary of the model
         (from its config.json, where that is readable here); None without hsx-vllm.json or --capture-layers."""
         info = read_vllm_info(server.root.path)
-        if info is None and (server.capture_layers is None or not _says_vllm(server)):
+        if info is None and server.capture_layers is None:
             return None
-        card = server.client(VLLMClient).card()
+        card = _card(server, auto=info is None)
+        if card is None:
+            return None
         # max_model_len: prompt and generated tokens together
         context = count(card.get("max_model_len"))
         capture = _capture(server, info, card, boot=False)
@@ -267,12 +269,16 @@ class VLLMEngine(Engine):
         )
 
 
-def _says_vllm(server: Server) -> bool:
-    """Whether the server's /v1/models says vLLM serves it (auto, where only --capture-layers tells of vLLM)."""
+def _card(server: Server, *, auto: bool) -> dict[str, Any] | None:
+    """The server's /v1/models card; with `auto` (only --capture-layers tells of vLLM), None unless the card
+    says vLLM serves it."""
+    if not auto:
+        return server.client(VLLMClient).card()
     try:
-        return server.client(VLLMClient).card().get("owned_by") == "vllm"
+        card = server.client(VLLMClient).card()
     except BackendRejected:
-        return False
+        return None
+    return card if card.get("owned_by") == "vllm" else None
 
 
 def _capture(server: Server, info: dict[str, Any] | None, card: dict[str, Any], *, boot: bool = True) -> Capture:
@@ -303,11 +309,13 @@ def _refuse_stale_info(server: Server) -> None:
     left it, and this one (vLLM's own connector, say) writes none, so its layers and boot id are not this
     server's. Not checked where /metrics gives no start time."""
     started = _started_at(server)
+    if started is None:
+        return
     try:
         written = (server.root.path / VLLM_INFO_FILE).stat().st_mtime
     except OSError:
         return
-    if started is not None and written < started - STALE_INFO_S:
+    if written < started - STALE_INFO_S:
         raise CaptureProblem(
             f"{VLLM_INFO_FILE} in the dump root was written {started - written:.0f} s before the vLLM now running "
             "started: an earlier server with hsx's connector left it, and this one writes none. Remove it and "
