@@ -121,6 +121,28 @@ def test_late_done_and_a_dump_that_never_completes(stack):
     assert [a["outcome"] for a in log] == ["retry", "ok"] and log[0]["reason"].startswith("incomplete")
 
 
+def test_a_dump_lost_with_its_server_spends_no_attempt(stack):
+    """The server answers, then goes away before its dump is complete (killed after its reply): the
+    dump never comes, and the sample goes back unspent, to be sent again once the server is back."""
+    svc, url = stack
+    faults(url, None)
+    faults(url, {"late_done": {"count": 1, "never": True}})
+    items = samples(1, seed=5)
+    job_id = svc.post_job({"samples": items}).json()["id"]
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/admin/faults").json()["injected"].get("never_done", 0) == 0:
+        assert time.monotonic() < deadline, "the sample was never sent"
+        time.sleep(0.05)
+    faults(url, {"unavailable": {"seconds": 6}})  # down before the 3 s the dump is waited for run out
+    job = svc.wait_job(job_id, timeout=120)
+    assert job["state"] == "succeeded"
+    assert_exact(svc, job, items)
+    log = attempts(svc, job_id, items[0]["id"])
+    assert [a["outcome"] for a in log] == ["interrupted", "ok"]
+    assert "model server unavailable" in log[0]["reason"] and "(incomplete)" in log[0]["reason"]
+    assert svc.get(f"/v1/jobs/{job_id}/samples/{items[0]['id']}").json()["attempts"] == 1
+
+
 EXPECTED = {
     "missing_layer": "missing_layer",
     "truncated": "bad_tensor_file",

@@ -38,11 +38,20 @@ class LoadedTensor:
     data: bytes
 
 
+# The codes of a request the server answered whose dump never came: the sample's fault only while the
+# server that answered is still the one running (a server killed after its reply loses the dump with it).
+NEVER_CAME = frozenset({"no_dump", "incomplete", "dump_timeout"})
+
+
 class DumpRejected(Exception):
     def __init__(self, code: str, reason: str):
         super().__init__(f"{code}: {reason}")
         self.code = code
         self.reason = reason
+
+    @property
+    def never_came(self) -> bool:
+        return self.code in NEVER_CAME
 
 
 class DumpRootBusy(Exception):

@@ -21,7 +21,7 @@ import time
 import numpy as np
 from sqlalchemy.orm import Session
 
-from hsx.backends.dumps import DumpRejected
+from hsx.backends.dumps import Dump, DumpRejected
 from hsx.backends.engine import Engine, Expectation
 from hsx.backends.http import BackendRejected, BackendUnavailable
 from hsx.config import Settings
@@ -153,27 +153,8 @@ class RequestLoop:
             dtype=info.get("dtype"),
         )
         started = time.monotonic()
-        try:
-            dump = engine.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}", expect=expect)
-        except BackendUnavailable as exc:
-            self.metrics.attempt("interrupted", "server_unavailable")
-            self.server.lost()
-            why = f"model server unavailable: {exc}"
-            self.db.run(lambda s: repo.release_interrupted(s, c, reason=why))
-            return None
-        except Exception as exc:  # any other failure is this attempt's, recorded, never a stuck sample
-            if isinstance(exc, DumpRejected):
-                reason = f"{exc.code}: {exc.reason}"
-            elif isinstance(exc, BackendRejected):
-                reason = f"server_error: {exc}"
-            else:
-                log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
-                reason = f"internal_error: {type(exc).__name__}: {exc}"
-            self.metrics.attempt("failed", reason)
-            outcome = self.db.run(
-                lambda s: repo.record_failed_attempt(s, c, reason=reason, max_attempts=self.settings.max_attempts)
-            )
-            log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
+        dump = self._extract(c, engine, ids, rid=rid, expect=expect)
+        if dump is None:
             return None
         self.metrics.backend_latency(time.monotonic() - started)
         meta = dump.meta
@@ -218,6 +199,43 @@ class RequestLoop:
         # Only after the commit: a flush that started before it must not have swallowed this sample.
         self.flusher.staged(c.job_id, c.sample_pk, dump.nbytes)
         return queued
+
+    def _extract(
+        self, c: repo.Claimed, engine: Engine, ids: list[int], *, rid: str, expect: Expectation
+    ) -> Dump | None:
+        """The sample's validated dump; None when the attempt ended otherwise, its outcome recorded."""
+        try:
+            return engine.extract(ids, rid=rid, staged_name=f"{c.job_id}/{c.idx:09d}-t{c.try_number}", expect=expect)
+        except BackendUnavailable as exc:
+            self._interrupted(c, f"model server unavailable: {exc}")
+        except DumpRejected as exc:
+            gone = self.server.gone_since(engine) if exc.never_came else None
+            if gone is None:
+                self._failed(c, f"{exc.code}: {exc.reason}")
+            else:
+                self._interrupted(c, f"{gone}; the dump of a request it answered went with it ({exc.code})")
+        except Exception as exc:  # any other failure is this attempt's, recorded, never a stuck sample
+            if isinstance(exc, BackendRejected):
+                reason = f"server_error: {exc}"
+            else:
+                log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
+                reason = f"internal_error: {type(exc).__name__}: {exc}"
+            self._failed(c, reason)
+        return None
+
+    def _interrupted(self, c: repo.Claimed, why: str) -> None:
+        """The server, not the sample, failed: the sample goes back unspent, and nothing is sent until
+        the server is checked again."""
+        self.metrics.attempt("interrupted", "server_unavailable")
+        self.server.lost()
+        self.db.run(lambda s: repo.release_interrupted(s, c, reason=why))
+
+    def _failed(self, c: repo.Claimed, reason: str) -> None:
+        self.metrics.attempt("failed", reason)
+        outcome = self.db.run(
+            lambda s: repo.record_failed_attempt(s, c, reason=reason, max_attempts=self.settings.max_attempts)
+        )
+        log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
 
     def _set_layers(self, key: str | None) -> list[int] | None:
         """The layers a job asking for a named set needs from this worker's model (its dumps are checked

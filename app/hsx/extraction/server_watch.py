@@ -91,6 +91,21 @@ class ServerWatch:
         """A request found the server gone: nothing is sent until /health says it is back."""
         self.engine, self._outage = None, True
 
+    def gone_since(self, engine: Engine) -> str | None:
+        """Why the server `engine` was found on is not the one running now (down, restarted, changed); None
+        while it is. Asked when a request's dump never came: a server killed after its reply loses the dump
+        with it, and the sample is not at fault."""
+        try:
+            # As after an outage: /health first, which a server that lost its process, or is not ready, fails.
+            now = discover(self.server, self.settings.source, after_outage=True)
+        except (BackendUnavailable, BackendRejected) as exc:
+            return f"model server unavailable: {exc}"
+        except CaptureProblem as exc:
+            return f"model server changed: {exc}"
+        if now.restarted(engine):
+            return f"model server restarted (boot id {engine.capture.boot_id} -> {now.capture.boot_id})"
+        return None
+
     def proved(self, identity: Identity | None, *, said: bool = False) -> bool:
         """Note what proved a dump its sample's (or, with `said`, what the server says its dumps will
         prove, which holds only until the first dump is taken); True when /healthz must show a new
