@@ -158,6 +158,9 @@ class ManifestHeader(BaseModel):
     # tensor its sample's; count means the dumps carried neither, and rest on hsx having had the
     # model server to itself. None: nothing stored, or a sample stored without a recorded proof.
     identity: Identity | None = None
+    # What the job ran with that its trainer should know, as the job's own `warning` says (a sampling
+    # seed the model server ignored); None: nothing.
+    warning: str | None = None
 
     @field_validator("layers")
     @classmethod
@@ -259,6 +262,7 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
                 for s in shards
             ],
             "identity": weakest(r.identity for r in samples),
+            "warning": job.warning,
             "samples": [
                 {
                     "id": r.sample_id,

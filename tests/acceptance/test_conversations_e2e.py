@@ -294,10 +294,13 @@ def test_a_seed_the_server_ignores_is_refused_or_run_with_a_warning_as_the_job_s
         assert job["state"] == "succeeded" and job["warning"].startswith("regenerate.seed was ignored"), job
         shown = hsx_cli(svc.url, "status", job["id"])
         assert shown.returncode == 0 and f"warning: {job['warning']}" in shown.stdout, shown.stdout
+        assert svc.get(f"/v1/jobs/{job['id']}/manifest").json()["warning"] == job["warning"]
 
         greedy = svc.post_job({"samples": conversations, "regenerate": {"max_new_tokens": 4, "seed": 7}})
         assert greedy.status_code == 202, "a seed under greedy decoding changes nothing: never refused"
-        assert svc.wait_job(greedy.json()["id"])["warning"] is None
+        greedy_job = svc.wait_job(greedy.json()["id"])
+        assert greedy_job["warning"] is None
+        assert svc.get(f"/v1/jobs/{greedy_job['id']}/manifest").json()["warning"] is None
     finally:
         svc.stop()
         ref.stop()
