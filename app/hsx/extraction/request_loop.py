@@ -214,13 +214,11 @@ class RequestLoop:
                 self._failed(c, f"{exc.code}: {exc.reason}")
             else:
                 self._interrupted(c, f"{gone}; the dump of a request it answered went with it ({exc.code})")
+        except BackendRejected as exc:
+            self._failed(c, f"server_error: {exc}")
         except Exception as exc:  # any other failure is this attempt's, recorded, never a stuck sample
-            if isinstance(exc, BackendRejected):
-                reason = f"server_error: {exc}"
-            else:
-                log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
-                reason = f"internal_error: {type(exc).__name__}: {exc}"
-            self._failed(c, reason)
+            log.exception("unexpected error extracting %s/%s", c.job_id, c.sample_id)
+            self._failed(c, f"internal_error: {type(exc).__name__}: {exc}")
         return None
 
     def _interrupted(self, c: repo.Claimed, why: str) -> None:
