@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from benchmarks.report import Column, Report, add_json_argument
 from hsx.chat import ConversationError, Message, conversation_of, render_many
 from tests.support import chat
 
@@ -100,7 +101,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=PROJECTED, help="how many (default 100,000)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="the runs' worker counts")
+    add_json_argument(parser)
     args = parser.parse_args()
+    report = Report("bench_chat", args)
     with tempfile.TemporaryDirectory(prefix="hsx-chat-") as tmp_name:
         tmp = Path(tmp_name)
         folder = chat.save_chat_tokenizer(
@@ -109,15 +112,28 @@ def main() -> None:
         data = tmp / "conversations.jsonl"
         size = write_conversations(data, args.conversations)
         print(f"{args.conversations} ShareGPT conversations of 2-4 turns, {size / 1e6:.0f} MB of JSON lines")
-        print(f"{'workers':>8}{'seconds':>10}{'conv/s':>10}{'tokens/conv':>13}{'Mtokens/s':>11}{'100k in':>10}")
+        table = report.table(
+            "runs",
+            Column("workers", "workers"),
+            Column("seconds", "seconds", ".1f"),
+            Column("conversations_s", "conv/s", ".0f"),
+            Column("tokens_per_conversation", "tokens/conv", ".0f"),
+            Column("mtokens_s", "Mtokens/s", ".2f"),
+            Column("projected_s", f"{PROJECTED // 1000}k in", ".0f|s"),
+        )
         for workers in args.workers:
             count, tokens, seconds = run(folder, data, workers)
             rate = count / seconds
-            print(
-                f"{workers:>8}{seconds:>10.1f}{rate:>10.0f}{tokens / count:>13.0f}{tokens / seconds / 1e6:>11.2f}"
-                f"{PROJECTED / rate:>9.0f}s",
-                flush=True,
+            table.add(
+                workers=workers,
+                conversations=count,
+                seconds=seconds,
+                conversations_s=rate,
+                tokens_per_conversation=tokens / count,
+                mtokens_s=tokens / seconds / 1e6,
+                projected_s=PROJECTED / rate,
             )
+    report.write()
 
 
 if __name__ == "__main__":

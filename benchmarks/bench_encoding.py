@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.report import Column, Report, add_json_argument
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from hsx.manifest import load_manifest
 from hsx.reference.model import load_model
@@ -259,7 +260,7 @@ def alternatives(states, layers: list[int]) -> list[str]:
     return lines
 
 
-def codec_report(args, work: Path) -> None:
+def codec_report(args, work: Path, report: Report) -> None:
     print(f"codecs: {os.cpu_count()} cores; MB/s per core = raw bytes per CPU second of one thread")
     models = [("tiny Llama (tests)", *tiny_llama_states(args.codec_tokens))]
     if args.trained:
@@ -268,13 +269,20 @@ def codec_report(args, work: Path) -> None:
         tokens = sum(len(ids) for ids, _ in states)
         hidden = states[0][1][0].shape[1]
         print(f"\n{name}: {tokens} tokens in {len(states)} samples, hidden {hidden}, layers {layers}")
-        print("| dtype | encoding | bytes/token | x raw | encode MB/s | decode MB/s | fp8 max error | fp8 mean error |")
-        print("|---|---|---|---|---|---|---|---|")
+        table = report.table(
+            f"codecs: {name}",
+            Column("dtype", "dtype"),
+            Column("encoding", "encoding"),
+            Column("bytes_token", "bytes/token", ".0f"),
+            Column("ratio", "x raw", ".3f"),
+            Column("encode_mb_s", "encode MB/s", ".0f"),
+            Column("decode_mb_s", "decode MB/s", ".0f"),
+            Column("max_error", "fp8 max error", ".4f"),
+            Column("mean_error", "fp8 mean error", ".4f"),
+            markdown=True,
+        )
         for r in codec_rows(name.split(":")[0].replace(" ", "-"), layers, states, work):
-            cells = [r["dtype"], r["encoding"], f"{r['bytes_token']:.0f}", f"{r['ratio']:.3f}"]
-            cells += [f"{r[k]:.0f}" if k in r else "-" for k in ("encode_mb_s", "decode_mb_s")]
-            cells += [f"{r[k]:.4f}" if k in r else "-" for k in ("max_error", "mean_error")]
-            print("| " + " | ".join(cells) + " |")
+            table.add(**({c.key: None for c in table.columns} | r))
         print("other codecs on the same bfloat16 layers (256 KiB blocks, one thread; hsx's lossless above):")
         for line in alternatives(states, layers):
             print(line)
@@ -345,18 +353,27 @@ def dataset_rate(folder: Path) -> tuple[float, float, float]:
     return len(ds) / seconds, sum(ds.lengths) / seconds, hidden_bytes / seconds / MB
 
 
-def jobs_report(args, work: Path, shm: Path) -> None:
+def jobs_report(args, work: Path, shm: Path, report: Report) -> None:
     torch.set_num_threads(1)
     print(
         f"\njobs: {args.samples} samples of {args.tokens} tokens x 4 layers x hidden {args.hidden} bfloat16 "
         f"({args.tokens * 4 * args.hidden * 2 / 2**20:.1f} MiB each), {args.in_flight} in flight, "
         f"synthetic reference server; raw, lossless, fp8 in turn, {args.rounds} rounds, medians"
     )
-    print(
-        "| server | encoding | extracted tokens/s | x raw | until finished tokens/s | x raw | shard bytes x raw "
-        "| Dataset samples/s | tokens/s | MB/s per core |"
+    table = report.table(
+        "jobs",
+        Column("server", "server"),
+        Column("encoding", "encoding"),
+        Column("extracted_tokens_s", "extracted tokens/s", ",.0f"),
+        Column("extracted_x_raw", "x raw", ".3f"),
+        Column("finished_tokens_s", "until finished tokens/s", ",.0f"),
+        Column("finished_x_raw", "x raw", ".3f"),
+        Column("bytes_x_raw", "shard bytes x raw", ".3f"),
+        Column("dataset_samples_s", "Dataset samples/s", ".1f"),
+        Column("dataset_tokens_s", "tokens/s", ",.0f"),
+        Column("dataset_mb_s", "MB/s per core", ",.0f"),
+        markdown=True,
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
     servers = {
         "instant": ("instant", 0.0),
         "prefill": (f"prefill {args.prefill_us_per_token:g} us/token", args.prefill_us_per_token),
@@ -379,10 +396,17 @@ def jobs_report(args, work: Path, shm: Path) -> None:
         for enc in encoding.ENCODINGS:
             (extracted, finished), (raw_extracted, raw_finished) = medians[enc], medians["raw"]
             per_s = dataset_rate(jobs.output / last[enc])
-            print(
-                f"| {label} | {enc} | {extracted:,.0f} | {extracted / raw_extracted:.3f} | {finished:,.0f} | "
-                f"{finished / raw_finished:.3f} | {sizes[enc] / sizes['raw']:.3f} | "
-                f"{per_s[0]:.1f} | {per_s[1]:,.0f} | {per_s[2]:,.0f} |"
+            table.add(
+                server=label,
+                encoding=enc,
+                extracted_tokens_s=extracted,
+                extracted_x_raw=extracted / raw_extracted,
+                finished_tokens_s=finished,
+                finished_x_raw=finished / raw_finished,
+                bytes_x_raw=sizes[enc] / sizes["raw"],
+                dataset_samples_s=per_s[0],
+                dataset_tokens_s=per_s[1],
+                dataset_mb_s=per_s[2],
             )
         for folder in jobs.output.glob("job_*"):
             for f in folder.iterdir():
@@ -410,15 +434,18 @@ def main(argv: list[str] | None = None) -> int:
         "--servers", default="instant,prefill", help="the jobs' servers, of instant and prefill (default: %(default)s)"
     )
     parser.add_argument("--output-dir", default=".", help="a folder on the disk the jobs write to (default: here)")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
+    report = Report("bench_encoding", args)
     with (
         tempfile.TemporaryDirectory(prefix="hsx-bench-", dir=args.output_dir) as tmp,
         tempfile.TemporaryDirectory(prefix="hsx-bench-", dir="/dev/shm") as shm,
     ):
         if args.only in ("all", "codecs"):
-            codec_report(args, Path(tmp))
+            codec_report(args, Path(tmp), report)
         if args.only in ("all", "jobs"):
-            jobs_report(args, Path(tmp), Path(shm))
+            jobs_report(args, Path(tmp), Path(shm), report)
+    report.write()
     return 0
 
 

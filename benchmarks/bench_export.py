@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from benchmarks.report import Column, Report, add_json_argument
 from hsx.exports import export_job
 from hsx.manifest import Manifest, ManifestSample, ManifestShard, write_manifest
 from hsx.states import JobState
@@ -197,17 +198,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated (default: all three)")
     parser.add_argument("--hot", action="store_true", help="leave the shards in the page cache (default: evict them)")
     parser.add_argument("--dir", default=None, help="where the job and the exports go (default: the temp folder)")
+    add_json_argument(parser)
     return parser.parse_args()
 
 
-HEADER = (
-    f"{'target':<13}{'workers':>8}{'files':>7}{'wall s':>8}{'GB/s':>7}{'CPU s':>8}{'CPU s/GB':>10}{'(range)':>12}"
-    f"{'x writer':>10}{'extra disk MiB':>16}{'x job':>7}"
+COLUMNS = (
+    Column("target", "target", left=True),
+    Column("workers", "workers"),
+    Column("files", "files"),
+    Column("wall_s", "wall s", ".2f"),
+    Column("gb_s", "GB/s", ".2f"),
+    Column("cpu_s", "CPU s", ".2f"),
+    Column("cpu_s_per_gb", "CPU s/GB", ".2f"),
+    Column("cpu_range", "(range)"),
+    Column("x_writer", "x writer", ".2f"),
+    Column("extra_disk_mib", "extra disk MiB", ".0f"),
+    Column("x_job", "x job", ".2f"),
 )
 
 
 def main() -> None:
     args = parse_args()
+    report = Report("bench_export", args)
     with tempfile.TemporaryDirectory(prefix="hsx-bench-export-", dir=args.dir) as tmp_name:
         tmp = Path(tmp_name)
         weight = torch.rand(args.hidden) + 0.5
@@ -222,7 +234,8 @@ def main() -> None:
             f"{'in' if args.hot else 'out of'} the page cache; {len(os.sched_getaffinity(0))} CPUs; the shard "
             f"writer (reference: extraction persisting them) {writer_cpu / gb:.2f} CPU s/GB; medians of {args.repeat}"
         )
-        print(HEADER)
+        report.figure("writer_cpu_s_per_gb", writer_cpu / gb)
+        table = report.table("exports", *COLUMNS)
         flags = {"speculators": ["--final-norm-weight", str(tmp / "norm.safetensors")]}
         for target in args.targets.split(","):
             rows = [(str(w), w, run) for w in sorted({1, args.workers})]
@@ -239,12 +252,22 @@ def main() -> None:
                         extra = extra_disk_bytes(out, job_dir)
                     shutil.rmtree(out)
                 wall, cpu = statistics.median(walls), statistics.median(cpus)
-                spread = f"{min(cpus) / gb:.2f}-{max(cpus) / gb:.2f}"
-                print(
-                    f"{target:<13}{label:>8}{files:>7}{wall:>8.2f}{gb / wall:>7.2f}{cpu:>8.2f}{cpu / gb:>10.2f}"
-                    f"{spread:>12}{cpu / writer_cpu:>10.2f}{extra / MiB:>16.0f}{extra / job_bytes:>7.2f}",
-                    flush=True,
+                table.add(
+                    target=target,
+                    workers=label if label == "command" else workers,
+                    files=files,
+                    wall_s=wall,
+                    gb_s=gb / wall,
+                    cpu_s=cpu,
+                    cpu_s_per_gb=cpu / gb,
+                    cpu_range=f"{min(cpus) / gb:.2f}-{max(cpus) / gb:.2f}",
+                    cpu_s_per_gb_min=min(cpus) / gb,
+                    cpu_s_per_gb_max=max(cpus) / gb,
+                    x_writer=cpu / writer_cpu,
+                    extra_disk_mib=extra / MiB,
+                    x_job=extra / job_bytes,
                 )
+    report.write()
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import httpx
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.report import Column, Report, Table, add_json_argument
 from hsx.layers import eagle3_capture_layers
 from hsx.reference.model import ModelRunner, embedded_config
 from tests.support.stack import RefServer, start_reference, start_service
@@ -235,34 +236,48 @@ def run(shape: Shape, args: argparse.Namespace, work: Path) -> list[dict]:
     return rows
 
 
-def report(shape: Shape, rows: list[dict], in_flight: int) -> None:
+def print_report(shape: Shape, rows: list[dict], in_flight: int, report: Report) -> None:
     device = torch.cuda.get_device_name() if shape.device.startswith("cuda") else "CPU"
-    print(f"{'run':<26}{'tokens/s':>11}{'samples/s':>11}{'GB/s':>7}{'of model':>10}{'of server':>11}{'GPU waits':>11}")
+    table = report.table(
+        "runs",
+        Column("run", "run", left=True),
+        Column("tokens_s", "tokens/s", ".0f"),
+        Column("samples_s", "samples/s", ".2f"),
+        Column("gb_s", "GB/s", ".3g"),
+        Column("of_model", "of model", ".0%"),
+        Column("of_server", "of server", ".0%"),
+        Column("gpu_waits", "GPU waits", ".0%"),
+    )
     for r in rows:
-        gb = f"{r['gb_s']:.3g}" if r["gb_s"] is not None else "-"
-        waits = f"{r['gpu_waits']:.0%}" if r["gpu_waits"] is not None else "-"
-        print(
-            f"{r['run']:<26}{r['tokens_s']:>11.0f}{r['samples_s']:>11.2f}{gb:>7}{r['of_model']:>10.0%}"
-            f"{r['of_server']:>11.0%}{waits:>11}"
-        )
+        table.add(**r)
     rid = next(r for r in rows if r["run"] == "service, rid mode")
     verdict = "met" if rid["of_server"] >= TARGET_BUSY else "NOT met"
     print(
         f"target: rid mode keeps the GPU >= {TARGET_BUSY:.0%} as busy as the server alone: "
         f"{rid['of_server']:.0%}, {verdict}"
     )
+    report.figure("device", device)
     print()
     print(
         f"{shape.name} on {device}, measured {date.today().isoformat()} ({in_flight} requests in flight; "
         f"`{shape.command}`):"
     )
     print()
-    print("| run | prefill tokens/s | GB/s persisted | of the model alone | GPU waits on hsx |")
-    print("|---|---|---|---|---|")
+    # the same rows, as docs/performance.md shows them
+    page = Table(
+        "page",
+        (
+            Column("run", "run"),
+            Column("tokens_s", "prefill tokens/s", ".0f"),
+            Column("gb_s", "GB/s persisted", ".3g"),
+            Column("of_model", "of the model alone", ".0%"),
+            Column("gpu_waits", "GPU waits on hsx", ".0%"),
+        ),
+        markdown=True,
+    )
+    print(page.header())
     for r in rows:
-        gb = f"{r['gb_s']:.3g}" if r["gb_s"] is not None else "-"
-        waits = f"{r['gpu_waits']:.0%}" if r["gpu_waits"] is not None else "-"
-        print(f"| {r['run']} | {r['tokens_s']:.0f} | {gb} | {r['of_model']:.0%} | {waits} |")
+        print(page.line(r))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="tokens per prompt (default: 2048; smoke: 64)")
     parser.add_argument("--in-flight", type=int, default=8, help="requests in flight (default: 8)")
     parser.add_argument("--output-dir", default=".", help="a folder on the disk the shards go to (default: here)")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         shape = Shape("tiny Llama (smoke)", embedded_config(), "cpu", 6, 64, "python -m benchmarks.bench_gpu --smoke")
@@ -284,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     with tempfile.TemporaryDirectory(prefix="hsx-bench-gpu-", dir=args.output_dir) as tmp:
         rows = run(shape, args, Path(tmp))
-    report(shape, rows, args.in_flight)
+    report = Report("bench_gpu", args)
+    print_report(shape, rows, args.in_flight, report)
+    report.write()
     return 0
 
 

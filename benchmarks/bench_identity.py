@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.report import Column, Report, add_json_argument
 from tests.support.procs import Process, free_port, synthetic_server_args
 from tests.support.stack import start_service
 
@@ -62,14 +63,21 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--settle-s", type=float, default=0.05, help="the settle window of the count row")
+    add_json_argument(parser)
     args = parser.parse_args()
+    report = Report("bench_identity", args)
     print(f"{args.samples} samples of {args.tokens} tokens, clear-and-scan, synthetic server, SQLite")
-    print(f"{'dumps carry':<28}{'settle s':>10}{'ms / sample':>14}")
+    table = report.table(
+        "runs",
+        Column("dumps_carry", "dumps carry", left=True),
+        Column("settle_s", "settle s", ".3f"),
+        Column("ms_per_sample", "ms / sample", ".1f"),
+    )
     rows = [("ids (identity: ids)", "ids", args.settle_s), ("nothing (identity: count)", "count", args.settle_s)]
     rows.append(("nothing (identity: count)", "count", 0.0))
     for label, dumps, settle in rows:
-        per = run(dumps, settle, args)
-        print(f"{label:<28}{settle:>10.3f}{1000 * per:>14.1f}", flush=True)
+        table.add(dumps_carry=label, settle_s=settle, ms_per_sample=1000 * run(dumps, settle, args))
+    report.write()
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.report import Column, Report, add_json_argument
 from hsx.backends.dumps import load_staged
 from hsx.config import Settings
 from hsx.reference.dumper import Dumper
@@ -194,7 +195,7 @@ def writer_alone(args, work: Path, shm: Path, flushers: int, shards: list[list[S
     return {"flushers": flushers, "gb": nbytes / 1e9, "gb_s": nbytes / wall / 1e9, "cpu_s_per_gb": cpu / (nbytes / 1e9)}
 
 
-def writer_report(args, work: Path, shm: Path) -> None:
+def writer_report(args, work: Path, shm: Path, report: Report) -> None:
     """The shard writer alone with one flusher and with two, against the disk's O_DIRECT rate
     measured just before and just after them (as many bytes as each writes)."""
     per_sample = args.tokens * args.layers * args.hidden * 2
@@ -217,13 +218,21 @@ def writer_report(args, work: Path, shm: Path) -> None:
         f"(one O_DIRECT copy + one sha256 pass, one thread) {runs[0]['min_cpu_s_per_gb']:.2f} CPU s/GB (before "
         f"{before:.2f}, after {after:.2f})"
     )
-    print(f"{'flushers':<10}{'GB/s':>7}{'CPU s/GB':>10}{'x min':>7}{'of O_DIRECT':>13}{'x 1 flusher':>13}")
+    table = report.table(
+        "shard_writer",
+        Column("flushers", "flushers", left=True),
+        Column("gb_s", "GB/s", ".2f"),
+        Column("cpu_s_per_gb", "CPU s/GB", ".2f"),
+        Column("x_min", "x min", ".2f"),
+        Column("of_direct", "of O_DIRECT", ".0%"),
+        Column("x_one", "x 1 flusher", ".2f"),
+    )
     for r in runs:
-        print(
-            f"{r['flushers']:<10}{r['gb_s']:>7.2f}{r['cpu_s_per_gb']:>10.2f}"
-            f"{r['cpu_s_per_gb'] / r['min_cpu_s_per_gb']:>7.2f}{r['gb_s'] * 1e9 / direct:>13.0%}"
-            f"{r['gb_s'] / runs[0]['gb_s']:>13.2f}"
-        )
+        r["x_min"] = r["cpu_s_per_gb"] / r["min_cpu_s_per_gb"]
+        r["of_direct"] = r["gb_s"] * 1e9 / direct
+        r["x_one"] = r["gb_s"] / runs[0]["gb_s"]
+        table.add(**r)
+    report.figure("disk_o_direct_gb_s", direct / 1e9)
     print(
         "targets: 2 flushers >= 80% of the O_DIRECT rate, or >= 1.8x one flusher where the disk is faster than "
         "two cores can hash"
@@ -395,6 +404,30 @@ class Bench:
         }
 
 
+def runs_table(report: Report, rows: list[dict], disk: float, minimums: list[float]) -> None:
+    report.figure("disk_gb_s", disk / 1e9)
+    report.figure("minimum_cpu_s_per_gb", statistics.median(minimums))
+    table = report.table(
+        "runs",
+        Column("scenario", "scenario", left=True),
+        Column("run", "run", left=True),
+        Column("samples_s", "samples/s", ".2f"),
+        Column("tokens_s", "tokens/s", ".0f"),
+        Column("gb_s", "GB/s", ".2f"),
+        Column("cpu_s_per_sample", "CPU s/smp", ".3f"),
+        Column("cpu_s_per_gb", "CPU s/GB", ".2f"),
+        Column("min_cpu_s_per_gb", "min", ".2f"),
+        Column("x_min", "x min", ".2f"),
+        Column("peak_rss_mib", "RSS MiB", ".0f"),
+        Column("vs_bare", "x bare", ".2f"),
+        Column("vs_serial", "x serial", ".2f"),
+        Column("vs_disk", "of disk", ".0%"),
+    )
+    for r in rows:
+        r["x_min"] = r["cpu_s_per_gb"] / r["min_cpu_s_per_gb"]
+        table.add(**r)
+
+
 def median_run(runs: list[tuple[dict, ...]]) -> tuple[dict, ...]:
     """The run whose last row has the median rate (a run may give several rows)."""
     return sorted(runs, key=lambda r: r[-1]["samples_s"])[len(runs) // 2]
@@ -436,14 +469,17 @@ def main(argv: list[str] | None = None) -> int:
         help="simulated prefill time for the 'comparable' runs (default: the bare loop's time "
         "per sample with an instant server)",
     )
+    add_json_argument(parser)
     args = parser.parse_args(argv)
+    report = Report("bench_throughput", args)
     with (
         tempfile.TemporaryDirectory(prefix="hsx-bench-", dir=args.output_dir) as tmp,
         tempfile.TemporaryDirectory(prefix="hsx-bench-", dir="/dev/shm") as shm,
     ):
         work = Path(tmp)
         if args.only == "writer":
-            writer_report(args, work, Path(shm))
+            writer_report(args, work, Path(shm), report)
+            report.write()
             return 0
         bench = Bench(args, work, Path(shm))
         volume = bench.bytes_per_sample * args.samples
@@ -498,18 +534,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(range {min(minimum.measured):.2f}-{max(minimum.measured):.2f}); 'x min' below is a row's CPU s/GB "
             f"against 'min', the mean of the two measurements around its run (target for the service: <= 1.3)"
         )
-        print(
-            f"{'scenario':<21}{'run':<36}{'samples/s':>10}{'tokens/s':>11}{'GB/s':>7}{'CPU s/smp':>10}"
-            f"{'CPU s/GB':>9}{'min':>6}{'x min':>7}{'RSS MiB':>9}{'x bare':>8}{'x serial':>9}{'of disk':>8}"
-        )
-        for r in rows:
-            print(
-                f"{r['scenario']:<21}{r['run']:<36}{r['samples_s']:>10.2f}{r['tokens_s']:>11.0f}{r['gb_s']:>7.2f}"
-                f"{r['cpu_s_per_sample']:>10.3f}{r['cpu_s_per_gb']:>9.2f}{r['min_cpu_s_per_gb']:>6.2f}"
-                f"{r['cpu_s_per_gb'] / r['min_cpu_s_per_gb']:>7.2f}"
-                f"{r['peak_rss_mib']:>9.0f}{r['vs_bare']:>8.2f}{r['vs_serial']:>9.2f}{r['vs_disk']:>8.0%}"
-            )
-        writer_report(args, work, Path(shm))
+        runs_table(report, rows, disk, minimum.measured)
+        writer_report(args, work, Path(shm), report)
+    report.write()
     return 0
 
 

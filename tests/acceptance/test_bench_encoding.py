@@ -4,47 +4,42 @@ gone."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 
-def cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
-
-
 def test_small_run_prints_every_row(tmp_path):
+    work, figures = tmp_path / "work", tmp_path / "figures.json"
+    work.mkdir()
     args = ["--codec-tokens", "1500", "--samples", "2", "--tokens", "300", "--hidden", "512", "--rounds", "1"]
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.bench_encoding",
-            *args,
-            "--servers",
-            "instant",
-            "--output-dir",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "benchmarks.bench_encoding", *args, "--servers", "instant"]
+        + ["--output-dir", str(work), "--json", str(figures)],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = [cells(line) for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    codecs = [r for r in rows if r[0] in ("bfloat16", "float16", "float32")]
-    assert [(r[0], r[1]) for r in codecs] == [
+    tables = json.loads(figures.read_text())["tables"]
+    codecs = tables["codecs: tiny Llama (tests)"]
+    assert [(r["dtype"], r["encoding"]) for r in codecs] == [
         (dtype, enc) for dtype in ("bfloat16", "float16", "float32") for enc in ("raw", "lossless", "fp8")
     ], out.stdout
-    for dtype, enc, _, ratio, encode, decode, max_error, _ in codecs:
-        if enc == "raw":
-            assert ratio == "1.000"
+    for r in codecs:
+        if r["encoding"] == "raw":
+            assert r["ratio"] == 1
             continue
-        assert 0 < float(ratio) < (0.75 if dtype == "bfloat16" else 0.95) and float(encode) > 0 and float(decode) > 0
-        assert (max_error == "-") == (enc == "lossless") and (enc == "lossless" or 0 < float(max_error) <= 1 / 28)
-    jobs = [r for r in rows if r[0] == "instant"]
-    assert [r[1] for r in jobs] == ["raw", "lossless", "fp8"], out.stdout
-    for _, enc, extracted, _, finished, _, shard_bytes, *dataset in jobs:
-        assert float(extracted.replace(",", "")) > 0 and float(finished.replace(",", "")) > 0
-        assert float(shard_bytes) <= 1 and all(float(x.replace(",", "")) > 0 for x in dataset), enc
+        assert 0 < r["ratio"] < (0.75 if r["dtype"] == "bfloat16" else 0.95), r
+        assert r["encode_mb_s"] > 0 and r["decode_mb_s"] > 0, r
+        assert (r["max_error"] is None) == (r["encoding"] == "lossless"), r
+        assert r["encoding"] == "lossless" or 0 < r["max_error"] <= 1 / 28, r
+    jobs = tables["jobs"]
+    assert [(r["server"], r["encoding"]) for r in jobs] == [("instant", e) for e in ("raw", "lossless", "fp8")]
+    for r in jobs:
+        assert r["extracted_tokens_s"] > 0 and r["finished_tokens_s"] > 0 and r["bytes_x_raw"] <= 1, r
+        assert min(r["dataset_samples_s"], r["dataset_tokens_s"], r["dataset_mb_s"]) > 0, r
+    printed = [line for line in out.stdout.splitlines() if line.startswith(("| bfloat16", "| instant"))]
+    assert len(printed) == 6 and all(line.count(" | ") in (7, 9) for line in printed), out.stdout
     assert "lzma, byte planes" in out.stdout
-    assert list(tmp_path.iterdir()) == []  # its work folder is gone
+    assert list(work.iterdir()) == []  # its work folder is gone

@@ -4,9 +4,12 @@ table too, and the benchmark leaves nothing behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 SCENARIOS = ("instant server", "prefill ~ persist", "prefill ~ 4x persist")
 RUNS = (
@@ -24,43 +27,43 @@ def _bench_folders() -> set[str]:
 
 def test_a_small_run_prints_every_row_and_leaves_nothing_behind(tmp_path):
     shm_before = _bench_folders()
+    work, figures = tmp_path / "work", tmp_path / "figures.json"
+    work.mkdir()
     args = ["--samples", "2", "--tokens", "64", "--hidden", "256", "--layers", "2", "--in-flight", "2"]
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.bench_throughput",
-            *args,
-            "--writer-gb",
-            "0.01",
-            "--output-dir",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "benchmarks.bench_throughput", *args, "--writer-gb", "0.01"]
+        + ["--output-dir", str(work), "--json", str(figures)],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
-
-    rows = [line for line in lines if line.startswith(SCENARIOS)]
-    expected = [(scenario, run) for scenario in SCENARIOS for run in RUNS]
-    assert [(line[:21].strip(), line[21:57].strip()) for line in rows] == expected, out.stdout
-    for line in rows:
-        samples_s, tokens_s, gb_s, cpu_sample, cpu_gb, minimum, x_min, rss, x_bare, x_serial = line[57:].split()[:10]
-        assert float(samples_s) > 0 and float(tokens_s) > 0 and float(rss) > 0, line
-        assert float(cpu_sample) > 0 and float(cpu_gb) > 0 and float(minimum) > 0, line
+    report = json.loads(figures.read_text())
+    rows = report["tables"]["runs"]
+    assert [(r["scenario"], r["run"]) for r in rows] == [(s, r) for s in SCENARIOS for r in RUNS], out.stdout
+    for r in rows:
+        assert min(r["samples_s"], r["tokens_s"], r["peak_rss_mib"], r["cpu_s_per_sample"]) > 0, r
+        assert min(r["cpu_s_per_gb"], r["min_cpu_s_per_gb"], r["vs_bare"], r["vs_serial"]) > 0, r
         # "x min" is the row's CPU per GB against the minimum measured around its own run.
-        assert abs(float(x_min) - float(cpu_gb) / float(minimum)) <= 0.02 * float(x_min) + 0.01, line
-        assert float(x_bare) > 0 and float(x_serial) > 0, line
-    assert any("measured before and after every run" in line for line in lines), out.stdout
+        assert r["x_min"] == pytest.approx(r["cpu_s_per_gb"] / r["min_cpu_s_per_gb"]), r
+    assert any("measured before and after every run" in line for line in out.stdout.splitlines()), out.stdout
 
-    head = lines.index(next(line for line in lines if line.startswith("flushers")))
-    writer = [line.split() for line in lines[head + 1 : head + 3]]
-    assert [w[0] for w in writer] == ["1", "2"], out.stdout
-    for _, gb_s, cpu_gb, x_min, of_direct, x_one in writer:
-        assert float(gb_s) > 0 and float(cpu_gb) > 0 and float(x_min) > 0, writer
-        assert of_direct.endswith("%") and float(x_one) > 0, writer
+    writer = report["tables"]["shard_writer"]
+    assert [w["flushers"] for w in writer] == [1, 2], out.stdout
+    for w in writer:
+        assert min(w["gb_s"], w["cpu_s_per_gb"], w["x_min"], w["of_direct"], w["x_one"]) > 0, w
 
-    assert list(tmp_path.iterdir()) == []  # its work folder is gone
+    # every printed row keeps its cells apart, whatever their width
+    assert_cells_apart(out.stdout, rows, writer)
+    assert list(work.iterdir()) == []  # its work folder is gone
     assert _bench_folders() <= shm_before  # and its dumps in /dev/shm
+
+
+def assert_cells_apart(stdout: str, rows: list[dict], writer: list[dict]) -> None:
+    lines = stdout.splitlines()
+    for r in rows:
+        line = next(line for line in lines if line.startswith(r["scenario"]) and r["run"] in line)
+        cells = line.split(r["run"], 1)[1].split()
+        assert len(cells) == 11, line
+    head = lines.index(next(line for line in lines if line.startswith("flushers")))
+    assert [len(line.split()) for line in lines[head + 1 : head + 1 + len(writer)]] == [6] * len(writer), stdout
