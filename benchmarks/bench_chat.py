@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_chat                          # 100,000 conversations, workers 1 and 2
     python -m benchmarks.bench_chat --conversations 10000 --workers 1 2 4
+    python -m benchmarks.bench_chat --long-turn-mb 4          # one 4 MB turn, with a limit of 4,096 and none
 
 A JSON-lines file of ShareGPT conversations (2 to 4 turns, human then gpt, made-up words drawn by
 Zipf's law: questions of 20-150 words, answers of 50-400) is written first, untimed. Each run then reads
@@ -10,6 +11,12 @@ byte-level BPE (32,000 ids) and a template in the style of Llama 3.1's (a system
 default empty system prompt, trimmed contents). Its time includes starting the worker processes (each
 imports transformers and loads the template once). Prints conversations/s, tokens/s and the projected
 time for 100,000 conversations.
+
+With --long-turn-mb, one conversation instead: a user turn of that many MB of random letters, digits and
+punctuation (about a token a character) and a short answer, rendered as the service renders it, in the
+template process (hsx.chat.process), once with each --limit (a token limit, or `none`) in a fresh
+process. Prints the seconds, the tokens the render gave, and the process's resident memory once the
+template is loaded and at its peak (VmHWM).
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.report import Column, Report, add_json_argument
+from benchmarks.report import Column, Report, Table, add_json_argument
 from hsx.chat import ConversationError, Message, conversation_of, render_many
+from hsx.chat.process import TemplateProcess
 from tests.support import chat
 
 # After Llama 3.1's template (without tools): a system header with the knowledge and today's dates always
@@ -46,6 +54,7 @@ LLAMA31_STYLE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 PROJECTED = 100_000
+LONG_TURN_BOUND_MB = 16_384  # the template process's bound in the long-turn runs: what a render takes is measured
 
 
 def write_conversations(path: Path, n: int, seed: int = 0) -> int:
@@ -97,10 +106,53 @@ def run(folder: Path, data: Path, workers: int) -> tuple[int, int, float]:
     return count, tokens, time.perf_counter() - started
 
 
+def peak_mb(pid: int) -> tuple[float, float]:
+    """(resident now, resident at its peak) of a process, in MiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def long_turn(folder: Path, mb: float, limits: list[int | None], table: Table) -> None:
+    """One conversation with a user turn of `mb` MB, rendered in a fresh template process per limit."""
+    rng = random.Random(0)
+    text = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz0123456789.,;:!?-", k=int(mb * 1_000_000)))
+    conversation: list[Message] = [{"role": "user", "content": text}, {"role": "assistant", "content": "Noted."}]
+    for limit in limits:
+        templates = TemplateProcess(timeout_s=3600, max_mb=LONG_TURN_BOUND_MB)
+        try:
+            templates.facts(str(folder))
+            assert templates._child is not None
+            pid = templates._child.pid
+            loaded, _ = peak_mb(pid)
+            started = time.perf_counter()
+            rendered = templates.render(str(folder), conversation, "assistant", limit=limit)
+            seconds = time.perf_counter() - started
+            table.add(
+                limit="none" if limit is None else limit,
+                seconds=seconds,
+                tokens=len(rendered.input_ids),
+                whole=rendered.whole,
+                loaded_mib=loaded,
+                peak_mib=peak_mb(pid)[1],
+            )
+        finally:
+            templates.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=PROJECTED, help="how many (default 100,000)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="the runs' worker counts")
+    parser.add_argument(
+        "--long-turn-mb", type=float, help="render one conversation with a user turn of this many MB instead"
+    )
+    parser.add_argument(
+        "--limit",
+        nargs="+",
+        type=lambda v: None if v == "none" else int(v),
+        default=[4096, None],
+        help="with --long-turn-mb: the token limits to render it with, `none` for no limit (default 4096 none)",
+    )
     add_json_argument(parser)
     args = parser.parse_args()
     report = Report("bench_chat", args)
@@ -109,6 +161,20 @@ def main() -> None:
         folder = chat.save_chat_tokenizer(
             tmp / "tokenizer", LLAMA31_STYLE, vocab_size=32_000, lines=40_000, words=40_000
         )
+        if args.long_turn_mb is not None:
+            print(f"one conversation with a user turn of {args.long_turn_mb:g} MB, in the template process")
+            table = report.table(
+                "long_turn",
+                Column("limit", "limit"),
+                Column("seconds", "seconds", ".2f"),
+                Column("tokens", "tokens"),
+                Column("whole", "whole"),
+                Column("loaded_mib", "loaded MiB", ".0f"),
+                Column("peak_mib", "peak MiB", ".0f"),
+            )
+            long_turn(folder, args.long_turn_mb, args.limit, table)
+            report.write()
+            return
         data = tmp / "conversations.jsonl"
         size = write_conversations(data, args.conversations)
         print(f"{args.conversations} ShareGPT conversations of 2-4 turns, {size / 1e6:.0f} MB of JSON lines")

@@ -48,7 +48,7 @@ from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from hsx.manifest import load_manifest
 from hsx.reference.model import load_model
 from hsx.sdk import HsxClient
-from hsx.storage import encoding
+from hsx.storage.encoding import ENCODINGS, LayerEncoder, block_rows, encoding_of
 from hsx.storage.mapped import MappedShard
 from hsx.training import HiddenStateDataset
 from tests.support.jobs import Sample, make_job
@@ -158,7 +158,7 @@ def codec_rows(name: str, layers: list[int], states, work: Path) -> list[dict]:
         hidden = samples[0].layers[layers[0]].shape[1]
         raw_layer_bytes = tokens * hidden * d.itemsize * len(layers)
         raw_bytes = None
-        for enc in ("raw", *encoding.ENCODERS):
+        for enc in ENCODINGS:
             job = make_job(
                 work / f"{name}-{dtype}-{enc}",
                 layers=layers,
@@ -178,7 +178,7 @@ def codec_rows(name: str, layers: list[int], states, work: Path) -> list[dict]:
                 "bytes_token": size / tokens,
                 "ratio": size / raw_bytes,
             }
-            if enc != "raw":
+            if encoding_of(enc).encoded:
                 row["encode_mb_s"] = raw_layer_bytes / encode_seconds(enc, samples, layers, d, hidden) / MB
                 shard = MappedShard(job.job_dir / job.manifest.shards[0].name)
                 decode_all(shard, layers, tokens)  # unmeasured, as above; the file is in the page cache since
@@ -196,19 +196,19 @@ def encode_seconds(enc: str, samples: list[Sample], layers: list[int], d, hidden
     """CPU seconds of this thread encoding every layer of every sample, block by block, as the shard
     writer does."""
     row_bytes = hidden * d.itemsize
-    step = encoding.block_rows(row_bytes)
+    step = block_rows(row_bytes)
     blocks = [
         s.layers[i].view(torch.uint8).numpy().reshape(-1, row_bytes)[k : k + step]
         for i in layers
         for s in samples
         for k in range(0, s.input_ids.shape[0], step)
     ]
-    encoder = encoding.encoder(enc, "layer", d, hidden)
+    encoder = encoding_of(enc).encoder("layer", d, hidden)
     encode_all(encoder, blocks)  # unmeasured: a process's first pass pays for faulting its arrays' memory in
     return thread_seconds(encode_all, encoder, blocks)
 
 
-def encode_all(encoder: encoding.LayerEncoder, blocks: list[np.ndarray]) -> None:
+def encode_all(encoder: LayerEncoder, blocks: list[np.ndarray]) -> None:
     for block in blocks:
         encoder.encode(block)
 
@@ -382,10 +382,10 @@ def jobs_report(args, work: Path, shm: Path, report: Report) -> None:
         jobs = Jobs(args, work, shm, prefill)
         try:
             jobs.run("raw")  # warm: a service's first job pays for what a process does once
-            rates: dict[str, list[tuple[float, float]]] = {e: [] for e in encoding.ENCODINGS}
+            rates: dict[str, list[tuple[float, float]]] = {e: [] for e in ENCODINGS}
             last: dict[str, str] = {}
             for _ in range(args.rounds):
-                for enc in encoding.ENCODINGS:
+                for enc in ENCODINGS:
                     extracted, finished, job_id = jobs.run(enc)
                     rates[enc].append((extracted, finished))
                     last[enc] = job_id
@@ -393,7 +393,7 @@ def jobs_report(args, work: Path, shm: Path, report: Report) -> None:
             jobs.stop()
         medians = {e: [statistics.median(r[k] for r in runs) for k in (0, 1)] for e, runs in rates.items()}
         sizes = {e: sum(s.bytes for s in load_manifest(jobs.output / j).shards) for e, j in last.items()}
-        for enc in encoding.ENCODINGS:
+        for enc in ENCODINGS:
             (extracted, finished), (raw_extracted, raw_finished) = medians[enc], medians["raw"]
             per_s = dataset_rate(jobs.output / last[enc])
             table.add(

@@ -44,6 +44,9 @@ NUM_LAYERS = 32
 LAYERS = [2, NUM_LAYERS // 2, NUM_LAYERS - 3, NUM_LAYERS]
 MiB = 1024 * 1024
 TARGETS = ("specforge", "speculators", "modelopt")
+# deepspec (--targets ...,deepspec) takes the job's EAGLE-3 layers as its taps: the job holds no other set.
+OPTIONS = {"deepspec": {"layer_set": "eagle3"}}
+FLAGS = {"deepspec": ["--layer-set", "eagle3"]}
 
 
 def cpu_seconds() -> float:
@@ -164,7 +167,7 @@ def run_command(
     cpu0, start = cpu_seconds(), time.perf_counter()
     args = [sys.executable, "-m", "hsx.cli", "export", target, str(job_dir), str(out), "-q", "--workers", str(workers)]
     subprocess.run([*args, *flags], check=True)
-    files = sum(1 for p in out.rglob("*") if p.is_file() and p.suffix in (".ckpt", ".pt", ".safetensors"))
+    files = sum(1 for p in out.rglob("*") if p.is_file() and p.suffix in (".ckpt", ".pt", ".safetensors", ".bin"))
     return time.perf_counter() - start, cpu_seconds() - cpu0, files
 
 
@@ -195,7 +198,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--workers", type=int, default=4, help="the parallel row's workers (default: 4)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the row shows their medians (default: 3)")
-    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated (default: all three)")
+    parser.add_argument(
+        "--targets", default=",".join(TARGETS), help="comma-separated (default: these three; deepspec too)"
+    )
     parser.add_argument("--hot", action="store_true", help="leave the shards in the page cache (default: evict them)")
     parser.add_argument("--dir", default=None, help="where the job and the exports go (default: the temp folder)")
     add_json_argument(parser)
@@ -224,7 +229,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         weight = torch.rand(args.hidden) + 0.5
         save_file({"model.norm.weight": weight}, tmp / "norm.safetensors")
-        options = {"speculators": {"final_norm_weight": tmp / "norm.safetensors"}}
+        options = {"speculators": {"final_norm_weight": tmp / "norm.safetensors"}, **OPTIONS}
         warm_up(tmp, args, weight, options)
         job_dir, job_bytes, writer_cpu = build_job(tmp, args, weight)
         gb = job_bytes / 1e9
@@ -236,7 +241,7 @@ def main() -> None:
         )
         report.figure("writer_cpu_s_per_gb", writer_cpu / gb)
         table = report.table("exports", *COLUMNS)
-        flags = {"speculators": ["--final-norm-weight", str(tmp / "norm.safetensors")]}
+        flags = {"speculators": ["--final-norm-weight", str(tmp / "norm.safetensors")], **FLAGS}
         for target in args.targets.split(","):
             rows = [(str(w), w, run) for w in sorted({1, args.workers})]
             rows.append(("command", args.workers, run_command))

@@ -127,6 +127,14 @@ class Settings(BaseSettings):
         "own); a conversation that takes longer fails with reason prepare_timeout, and a template that takes "
         "longer to load fails its job",
     )
+    prepare_max_mb: int = Field(
+        2048,
+        ge=256,
+        description="the most memory, in MiB, the process that renders conversations with their chat templates may "
+        "hold, its libraries included (about 290 MiB once transformers and a tokenizer are loaded); a render that "
+        "needs more fails its sample with reason prepare_memory (the process is started anew for the next), and a "
+        "template that needs more to load fails its job; 2048 holds a 4 MB turn tokenized whole",
+    )
     source: SourceChoice = Field(AUTO, description=source_help())
     name_by: str = Field("auto", description="dump naming: auto (ask the server), counter or rid")
     capture_layers: str = Field(
@@ -166,6 +174,13 @@ class Settings(BaseSettings):
         gt=0,
         description="a job creation's body must have arrived whole within this long (else 408), however steadily "
         "it trickles in",
+    )
+    connection_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="a request that finds every database connection the API's requests may use taken waits this "
+        "long for one, in line, then is answered 503 with Retry-After (0: at once); /healthz and /metrics have "
+        "connections of their own and never wait behind requests, and event streams take one only for each check",
     )
     max_in_flight: int = Field(
         4, description="rid mode: requests in flight at once (counter-named dumps always take one at a time)"
@@ -257,12 +272,14 @@ class Settings(BaseSettings):
 
 
 def parse_layer_list(spec: str) -> list[int] | None:
-    """ "2,4,5,8" -> [2, 4, 5, 8]; "" -> None. Anything but ascending, unique, non-negative layer numbers is an
-    error: a server's files hold each layer once, ascending, and a list in another order would label them wrongly."""
-    if not _listed(spec):
+    """ "2,4,5,8" -> [2, 4, 5, 8]; "" -> None. Anything but ascending, unique, non-negative layer numbers written
+    as hsx.layers.parse_layers takes them is an error: a server's files hold each layer once, ascending, and a
+    list in another order would label them wrongly."""
+    if not spec:
         return None
+    layers = parse_layers(spec)  # its errors name the list
     try:
-        return check_layers(parse_layers(spec))
+        return check_layers(layers)
     except ValueError as exc:
         raise ValueError(f"{spec!r}: {exc}") from None
 

@@ -57,8 +57,9 @@ DTYPES_BY_CODE: dict[str, DType] = {d.code: d for d in _ALL}
 # What model servers dump hidden states in, and so what a shard's layers hold.
 HIDDEN_STATE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
-# How a job's shards store those values (hsx.storage.encoding): as they came, losslessly compressed
-# (bit for bit), or as float8_e4m3fn with a float32 scale per row.
+# How a job's shards store those values: as they came, losslessly compressed (bit for bit), or as
+# float8_e4m3fn with a float32 scale per row. The names alone, for the API's models; what each one is
+# lives in hsx.storage.encoding, whose registry holds exactly these, in this order (a test holds it to them).
 Encoding = Literal["raw", "lossless", "fp8"]
 ENCODINGS: tuple[str, ...] = get_args(Encoding)
 

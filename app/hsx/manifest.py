@@ -19,9 +19,10 @@ from safetensors import safe_open
 
 from hsx.dtypes import DTYPES, DType, Encoding
 from hsx.identity import Identity, weakest
+from hsx.layers import LAYER_SETS, sets_within
 from hsx.states import JobState
 from hsx.storage.atomic import write_json_atomic
-from hsx.storage.encoding import LayerStats
+from hsx.storage.encoding import LayerStats, encoding_of
 
 if TYPE_CHECKING:
     import torch
@@ -37,26 +38,13 @@ SHARD_LAYOUT = {
     "layer_<i>": "dtype [T, hidden_size]",
     "sample_rows": "offset .. offset + num_tokens",
 }
-# How each encoding stores layer_<i> (hsx.storage.encoding; docs/api.md, "Output format").
-ENCODED_LAYOUTS: dict[str, dict[str, str]] = {
-    "lossless": {
-        "layer_<i>.zstd": "uint8 [N]: zstd frames, one per byte plane (least significant first) of each block",
-        "layer_<i>.rows": "int64 [B + 1]: block k holds rows rows[k] .. rows[k + 1]",
-        "layer_<i>.frames": "int64 [B x bytes per value + 1]: where each frame begins in layer_<i>.zstd",
-    },
-    "fp8": {
-        "layer_<i>.fp8": "float8_e4m3fn [T, hidden_size]",
-        "layer_<i>.scale": "float32 [T]: a value is fp8 x scale, in dtype",
-    },
-}
 
 
 def shard_layout(encoding: str) -> dict[str, str]:
-    """The manifest's `shard_layout` for a job of this encoding."""
-    if encoding not in ENCODED_LAYOUTS:
-        return dict(SHARD_LAYOUT)
-    layout = {k: v for k, v in SHARD_LAYOUT.items() if k != "layer_<i>"}
-    return {**layout, **ENCODED_LAYOUTS[encoding]}
+    """The manifest's `shard_layout` for a job of this encoding: its layers' tensors as the encoding
+    names them (hsx.storage.encoding; docs/api.md, "Output format")."""
+    plain = {k: v for k, v in SHARD_LAYOUT.items() if k != "layer_<i>"}
+    return {**plain, **encoding_of(encoding).layout}
 
 
 # What `model` records, each null where unknown: the server's model_path and what its /get_model_info
@@ -76,6 +64,11 @@ class ManifestShard(BaseModel):
     sha256: str
     num_samples: Count
     num_tokens: Count
+    # Its number in the job's commit feed (1, 2, ... in the order shards were recorded; the manifest
+    # lists them in that order). None: written by an hsx without the feed.
+    seq: PositiveCount | None = None
+    # Retention deleted its file once every consumer had read it; its record (and its samples') stays.
+    deleted: bool = False
 
     @field_validator("name")
     @classmethod
@@ -97,7 +90,8 @@ class ManifestSample(BaseModel):
     num_tokens: PositiveCount
     # What proved the stored dump this sample's (hsx.identity); None: not recorded (stored by an older hsx).
     identity: Identity | None = None
-    # Its token count before the job's length policy cut it to num_tokens (truncate); absent: not cut.
+    # Its token count before the job's length policy cut it to num_tokens (truncate; a conversation tokenized
+    # only as far as its limit needs: the tokens counted, more than the limit); absent: not cut.
     truncated_from: PositiveCount | None = None
 
 
@@ -141,6 +135,13 @@ class ManifestHeader(BaseModel):
     # Where the source took layer L: post_norm (after the final norm: SGLang, the reference server) or
     # pre_norm (the residual stream before it: vLLM's extract_hidden_states). None: an older manifest.
     final_layer: Literal["pre_norm", "post_norm"] | None = None
+    # Where layer L after the norm was computed by hsx from a server's pre-norm L (hsx.backends.final_norm):
+    # {"applied_by": "hsx", "checkpoint", "file", "tensor", "sha256" (of the weight's stored bytes), "eps"}.
+    # None: L as the server gave it.
+    final_norm: dict[str, Any] | None = None
+    # Each named layer set (hsx.layers.LAYER_SETS) the stored layers make, with its layers: a reader
+    # selects one by name. None: not recorded (an older manifest; `sets()` works it out).
+    layer_sets: dict[str, list[Count]] | None = None
     hidden_size: PositiveCount | None = None
     # The dtype of the stored values (of what an encoded layer decodes to).
     dtype: str | None = None
@@ -173,6 +174,30 @@ class ManifestHeader(BaseModel):
         """Whether `layer` holds values after the model's final norm, as `post_norm_layers` records;
         None where the manifest does not record it (then hsx's numbering says: layer L only)."""
         return None if self.post_norm_layers is None else layer in self.post_norm_layers
+
+    def sets(self) -> dict[str, list[int]]:
+        """The named layer sets the job's stored layers make: as recorded, or for an older manifest worked
+        out from its layers, model depth and side of the final norm."""
+        if self.layer_sets is not None:
+            return {name: list(layers) for name, layers in self.layer_sets.items()}
+        num_layers = (self.model or {}).get("num_hidden_layers")
+        side = self.final_layer
+        if side is None and isinstance(num_layers, int):
+            side = "pre_norm" if self.post_norm(num_layers) is False else "post_norm"
+        return sets_within(self.layers, num_layers if isinstance(num_layers, int) else None, side)
+
+    def layer_set(self, name: str) -> tuple[list[int], int]:
+        """(the layers a named set reads before the last, in order; its last layer, L) among the job's stored
+        layers; ValueError naming the sets the job has when it did not capture this one."""
+        have = self.sets()
+        if name in have:
+            num_layers = int((self.model or {})["num_hidden_layers"])
+            return [i for i in have[name] if i != num_layers], num_layers
+        known = f"{name} is no layer set (the sets are {', '.join(LAYER_SETS)})" if name not in LAYER_SETS else ""
+        held = ", ".join(have) or "none of them"
+        side = f", L {self.final_layer.replace('_', '-')}" if self.final_layer else ""
+        why = known or f"the job did not capture layer set {name}"
+        raise ValueError(f"{why}: its layers {self.layers}{side} make {held}")
 
     def hidden_states(self) -> HiddenStates:
         """The layers, hidden size and dtype the shards hold; ValueError when the manifest does not say
@@ -222,35 +247,48 @@ def post_norm_layers(layers: list[int] | None, num_layers: int | None, final_lay
     return [] if final_layer == "pre_norm" else [i for i in layers if i == num_layers]
 
 
+def manifest_header(job: JobRow, state: JobState | str | None = None) -> dict[str, Any]:
+    """The job's manifest header as the database has it now (`state` in place of the job's own), without
+    what its shards add up to (`encoded_layers`)."""
+    info = job.model_info or {}
+    layers, num_layers = info.get("layers", job.layers), info.get("num_hidden_layers")
+    encoding = (job.options or {}).get("encoding", "raw")
+    return {
+        "format": MANIFEST_FORMAT,
+        "job_id": job.id,
+        "name": job.name,
+        "state": state or job.state,
+        "model": {k: info.get(k) for k in MODEL_KEYS},
+        "layers": layers,
+        "post_norm_layers": post_norm_layers(layers, num_layers, info.get("final_layer")),
+        "final_layer": info.get("final_layer") or "post_norm",
+        "final_norm": info.get("final_norm"),
+        "layer_sets": sets_within(layers, num_layers, info.get("final_layer")) if num_layers is not None else None,
+        "hidden_size": info.get("hidden_size"),
+        "dtype": info.get("dtype"),
+        "encoding": encoding,
+        "shard_layout": shard_layout(encoding),
+        "num_samples": job.num_samples,
+        "num_stored": job.n_succeeded,
+        "num_truncated": job.n_truncated,
+        "warning": job.warning,
+    }
+
+
 def build_manifest(session: Session, job: JobRow, state: JobState | str | None = None) -> Manifest:
     """The job's manifest as the database has it now (`state` in place of the job's own, if given)."""
     from hsx.db import repository as repo  # here, not above: the SDK imports this module without a database
 
-    info = job.model_info or {}
+    header = manifest_header(job, state)
     samples = list(repo.iter_stored_samples(session, job.id))
     shards = repo.job_shards(session, job.id)
-    layers, num_layers = info.get("layers", job.layers), info.get("num_hidden_layers")
-    encoding = (job.options or {}).get("encoding", "raw")
     # One document validated at once: a model per sample built here would cost several times more.
     return Manifest.model_validate(
         {
-            "job_id": job.id,
-            "name": job.name,
-            "state": state or job.state,
-            "model": {k: info.get(k) for k in MODEL_KEYS},
-            "layers": layers,
-            "post_norm_layers": post_norm_layers(layers, num_layers, info.get("final_layer")),
-            "final_layer": info.get("final_layer") or "post_norm",
-            "hidden_size": info.get("hidden_size"),
-            "dtype": info.get("dtype"),
-            "encoding": encoding,
-            "encoded_layers": None
-            if encoding == "raw"
-            else encoded_layers(layers or [], [s.layer_stats for s in shards]),
-            "shard_layout": shard_layout(encoding),
-            "num_samples": job.num_samples,
-            "num_stored": job.n_succeeded,
-            "num_truncated": job.n_truncated,
+            **header,
+            "encoded_layers": encoded_layers(header["layers"] or [], [s.layer_stats for s in shards])
+            if encoding_of(header["encoding"]).encoded
+            else None,
             "shards": [
                 {
                     "name": s.name,
@@ -258,11 +296,12 @@ def build_manifest(session: Session, job: JobRow, state: JobState | str | None =
                     "sha256": s.sha256,
                     "num_samples": s.num_samples,
                     "num_tokens": s.num_tokens,
+                    "seq": s.seq,
+                    "deleted": s.deleted_at is not None,
                 }
                 for s in shards
             ],
             "identity": weakest(r.identity for r in samples),
-            "warning": job.warning,
             "samples": [
                 {
                     "id": r.sample_id,

@@ -14,9 +14,13 @@
   every hidden-state value finite.
 
 A job stored lossless or in fp8 (the manifest's `encoding`, hsx.storage.encoding) has shards that say
-the same encoding, with each layer's tensors of the shapes it implies; the sha256 is of the stored
-bytes as for any shard, and each sample's layers are decoded (every zstd frame of its blocks, every
-code and scale) and their values checked as a raw sample's are.
+the same encoding, with each layer's tensors as the encoding specifies them and, for lossless, an index
+that covers the shard's rows in blocks no larger than the writer makes; the sha256 is of the stored
+bytes as for any shard, and each sample's layers are decoded through the readers' own decoders (every
+zstd frame of its blocks with its declared size and checksum, every code and scale) and their values
+checked as a raw sample's are. Frames written before they carried a checksum are a warning, not a
+fault. The manifest's `encoded_layers` must name each of the job's layers once, with the raw bytes its
+rows take, the bytes its shards' tensors hold, and for fp8 errors within the encoding's bound.
 
 It needs no torch: rows are read as numpy arrays (bfloat16 as its bit patterns, tested for NaN and Inf
 by integer arithmetic), so the service and `hsx verify` run it on the base install.
@@ -42,11 +46,21 @@ from pydantic import BaseModel, ValidationError
 
 from hsx.dtypes import DTYPES_BY_CODE
 from hsx.layers import layer_key
-from hsx.manifest import HiddenStates, ManifestHeader, ManifestSample, ManifestShard, locate, manifest_problems
+from hsx.manifest import (
+    EncodedLayer,
+    HiddenStates,
+    ManifestHeader,
+    ManifestSample,
+    ManifestShard,
+    locate,
+    manifest_problems,
+)
 from hsx.storage.atomic import TEMP_NAME
-from hsx.storage.encoding import tensor_names
+from hsx.storage.encoding import Encoding, encoding_of, same_encoding
+from hsx.storage.errors import ShardError
 from hsx.storage.finite import FloatBits
 from hsx.storage.mapped import Layout, MappedShard
+from hsx.storage.placement import Placement
 from hsx.storage.safetensors_raw import SafetensorsFormatError, TensorSpan, read_index, read_metadata
 
 HASH_CHUNK = 8 * 1024 * 1024
@@ -188,7 +202,7 @@ class ShardRows:
         os.close(self._fd)
 
     def _layer(self, key: str) -> bool:
-        return self.decoded is not None and self.decoded.encoded is not None and self.decoded.encoded.holds(key)
+        return self.decoded is not None and self.decoded.decodes(key)
 
     def dtype(self, key: str) -> str:
         code = (
@@ -207,7 +221,7 @@ class ShardRows:
         return np.frombuffer(data, dtype=DTYPES_BY_CODE[span.dtype].numpy).reshape(-1, *span.shape[1:])
 
 
-def _wanted(encoding: str, total: int, hs: HiddenStates) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+def _wanted(encoding: Encoding, total: int, hs: HiddenStates) -> dict[str, tuple[str, tuple[int, ...] | None]]:
     """The tensors a shard of `total` rows holds in this encoding: dtype code and shape (None: one axis,
     any length, which decoding checks)."""
     want: dict[str, tuple[str, tuple[int, ...] | None]] = {
@@ -215,14 +229,8 @@ def _wanted(encoding: str, total: int, hs: HiddenStates) -> dict[str, tuple[str,
         "loss_mask": ("I64", (total,)),
     }
     for i in hs.layers:
-        names = tensor_names(encoding, layer_key(i))
-        if encoding == "fp8":
-            want[names[0]] = ("F8_E4M3", (total, hs.hidden_size))
-            want[names[1]] = ("F32", (total,))
-        elif encoding == "lossless":
-            want.update({names[0]: ("U8", None), names[1]: ("I64", None), names[2]: ("I64", None)})
-        else:
-            want[names[0]] = (hs.dtype.code, (total, hs.hidden_size))
+        for name, spec in encoding.specs(layer_key(i), total, hs.dtype, hs.hidden_size).items():
+            want[name] = (spec.code, spec.shape)
     return want
 
 
@@ -231,15 +239,17 @@ def _shard_tensors(
 ) -> tuple[dict[str, TensorSpan], MappedShard | None] | None:
     """Check a shard's header against the manifest; its tensors (and, encoded, its decoder), if their
     rows can be read."""
-    name, faults, hs, encoding = entry.name, check.faults, check.hidden_states, check.manifest.encoding
+    name, faults, hs, encoding = entry.name, check.faults, check.hidden_states, check.encoding
     try:
         spans = read_index(path)
-        stored = read_metadata(path).get("encoding", "raw")
+        metadata = read_metadata(path)
     except (SafetensorsFormatError, OSError) as exc:
         faults.shard(name, "header_invalid", str(exc))
         return None
-    if stored != encoding:
-        faults.shard(name, "encoding_mismatch", f"the shard is {stored}, the manifest says {encoding}")
+    try:
+        same_encoding(metadata, encoding.name)
+    except ShardError as exc:
+        faults.shard(name, "encoding_mismatch", exc.problem)
         return None
     ok = True
     for key, (dtype, shape) in _wanted(encoding, entry.num_tokens, hs).items():
@@ -255,46 +265,56 @@ def _shard_tensors(
             ok = False
     if not ok:
         return None
-    return (spans, None) if encoding == "raw" else _decoder(path, entry, hs, faults)
+    if encoding.encoded:
+        check.stats_shapes.append({n: span.shape for n, span in spans.items()})
+        return _decoder(path, entry, check)
+    return spans, None
 
 
-def _decoder(
-    path: Path, entry: ManifestShard, hs: HiddenStates, faults: _Faults
-) -> tuple[dict[str, TensorSpan], MappedShard] | None:
-    """An encoded shard mapped for decoding, once its metadata and its layers' indexes hold together."""
+def _decoder(path: Path, entry: ManifestShard, check: _Check) -> tuple[dict[str, TensorSpan], MappedShard] | None:
+    """An encoded shard mapped for decoding, once its metadata and its layers' indexes hold together
+    (the checks every reader makes before it decodes)."""
+    hs = check.hidden_states
     try:
         shard = MappedShard(path)
         for i in hs.layers:
             layout = shard.layout(layer_key(i))
             if layout != Layout(hs.dtype.code, (entry.num_tokens, hs.hidden_size)):
-                raise ValueError(
+                raise ShardError(
                     f"{layer_key(i)} decodes to {layout.dtype} {list(layout.shape)}, the manifest says "
                     f"{hs.dtype.code} {[entry.num_tokens, hs.hidden_size]}"
                 )
-    except ValueError as exc:
-        faults.shard(entry.name, "encoding_invalid", str(exc))
+            layer = shard.layer(layer_key(i))
+            if layer is not None and layer.unchecked():
+                check.unchecked[entry.name] = check.unchecked.get(entry.name, 0) + layer.unchecked()
+    except ShardError as exc:
+        where = "" if exc.layer is None else f"{exc.layer}: "
+        check.faults.shard(entry.name, "encoding_invalid", where + exc.problem)
         return None
     return shard.spans, shard
 
 
 def _shard_metadata(path: Path, name: str, placed: list[ManifestSample], faults: _Faults) -> None:
-    """The shard's own __metadata__ (sample_ids, offsets) must agree with the manifest."""
+    """The shard's own __metadata__ (sample_ids, offsets) must place each sample where the manifest does:
+    the readers take a sample's rows from there, and refuse a manifest that disagrees."""
     try:
-        meta = read_metadata(path)
-        ids, offsets = meta.get("sample_ids"), meta.get("offsets")
-        if ids is None or offsets is None:
-            return
-        in_shard = dict(zip(json.loads(ids), json.loads(offsets), strict=False))
+        total = read_index(path)["input_ids"].shape[0]
+        placement = Placement.of(read_metadata(path), total)
+    except ShardError as exc:
+        faults.shard(name, "metadata_invalid", exc.problem)
+        return
     except Exception as exc:  # any unreadable metadata is a fault, not a crash
         faults.shard(name, "metadata_invalid", f"unreadable __metadata__: {exc}")
         return
     for s in placed:
-        if in_shard.get(s.id) != s.offset:
+        found = placement.rows.get(s.id)
+        if found != (s.offset, s.offset + s.num_tokens):
+            where = "does not hold it" if found is None else f"at rows {found[0]}..{found[1]}"
             faults.sample(
                 s.id,
                 name,
                 "metadata_mismatch",
-                f"the manifest places it at offset {s.offset}, the shard's metadata at {in_shard.get(s.id)}",
+                f"the manifest places it at rows {s.offset}..{s.offset + s.num_tokens}, the shard's metadata {where}",
             )
 
 
@@ -441,10 +461,17 @@ class _Check:
     by_shard: dict[str, list[ManifestSample]] = field(default_factory=dict)  # the samples placed in each shard
     placement: dict[str, str | None] = field(default_factory=dict)  # each sample id's shard, to count sound ones
     seen: set[str] = field(default_factory=set)  # sample ids met so far
+    # every encoded shard's tensors' shapes (to add up what its layers' stats count), while all are readable
+    stats_shapes: list[dict[str, tuple[int, ...]]] = field(default_factory=list)
+    unchecked: dict[str, int] = field(default_factory=dict)  # per shard, its pieces that carry no checksum
 
     @cached_property
     def hidden_states(self) -> HiddenStates:
         return self.manifest.hidden_states()
+
+    @cached_property
+    def encoding(self) -> Encoding:
+        return encoding_of(self.manifest.encoding)
 
 
 def _verify_contents(check: _Check, shard_docs: list[dict[str, Any]], sample_docs: list[dict[str, Any]]) -> None:
@@ -458,6 +485,12 @@ def _verify_contents(check: _Check, shard_docs: list[dict[str, Any]], sample_doc
         _place_sample(check, doc)
     _check_overlaps(check)
     _check_shard_counts(check)
+    _check_encoded_layers(check)
+    if check.unchecked:
+        check.faults.report.warnings.append(
+            f"{sum(check.unchecked.values())} {check.encoding.unchecked_note} in {len(check.unchecked)} shard(s): "
+            "damage inside them is found by the shards' sha256 alone"
+        )
     if check.manifest.num_stored != len(sample_docs):
         check.faults.job(
             "count_mismatch", f"num_stored is {check.manifest.num_stored} but {len(sample_docs)} samples are listed"
@@ -582,6 +615,48 @@ def _check_shard_counts(check: _Check) -> None:
             )
 
 
+def _check_encoded_layers(check: _Check) -> None:
+    """The manifest's `encoded_layers`: for an encoded job each of its layers once, each as
+    `_layer_stats_problems` checks it; none for a raw job."""
+    recorded, encoding, layers = check.manifest.encoded_layers, check.encoding, check.hidden_states.layers
+    if not encoding.encoded:
+        if recorded:
+            check.faults.job("encoded_layers_invalid", f"a {encoding.name} job records encoded_layers")
+        return
+    if recorded is None:
+        check.faults.job("encoded_layers_invalid", f"a {encoding.name} job records no encoded_layers")
+        return
+    seen = Counter(e.layer for e in recorded)
+    for layer in sorted(set(seen) - set(layers)):
+        check.faults.job("encoded_layers_invalid", f"encoded_layers names layer {layer}, which the job did not capture")
+    for layer in layers:
+        if seen[layer] != 1:
+            check.faults.job(
+                "encoded_layers_invalid", f"encoded_layers lists layer {layer} {seen[layer]} times, not once"
+            )
+    for e in recorded:
+        if e.layer in layers:
+            for problem in _layer_stats_problems(check, e):
+                check.faults.job("encoded_layers_invalid", f"layer {e.layer}: {problem}")
+
+
+def _layer_stats_problems(check: _Check, e: EncodedLayer) -> list[str]:
+    """One layer's stats: its raw bytes those of the rows the shards list, its bytes what its shards'
+    tensors hold (where every shard could be read: the stats add up all of them), its errors what the
+    encoding allows."""
+    hs, encoding = check.hidden_states, check.encoding
+    problems = encoding.error_problems(e.max_error, e.mean_error)
+    rows = sum(entry.num_tokens for entry in check.shards.values() if entry is not None)
+    raw_bytes = rows * hs.hidden_size * hs.dtype.itemsize
+    if e.raw_bytes != raw_bytes:
+        problems.append(f"raw_bytes is {e.raw_bytes}, its shards' {rows} rows take {raw_bytes}")
+    if len(check.stats_shapes) == len(check.shards):
+        stored = sum(encoding.stats_bytes(layer_key(e.layer), shapes, hs.dtype) for shapes in check.stats_shapes)
+        if e.bytes != stored:
+            problems.append(f"bytes is {e.bytes}, its shards' tensors hold {stored}")
+    return problems
+
+
 def _declared_vocab(manifest: ManifestHeader) -> int | None:
     """The model's vocabulary size, where the manifest records a usable one."""
     declared = (manifest.model or {}).get("vocab_size")
@@ -613,6 +688,10 @@ def _check_values(check: _Check) -> None:
                         chunk_rows=check.chunk_rows,
                         faults=check.faults,
                     )
+                except ShardError as exc:  # what the readers refuse: a frame, a scale, an index
+                    where = "" if exc.layer is None else f"{exc.layer}: "
+                    check.faults.sample(s.id, name, "damaged", where + exc.problem)
+                    continue
                 except Exception as exc:  # a read that fails is this sample's fault, not a crash
                     check.faults.sample(s.id, name, "unreadable", f"reading its rows failed: {exc}")
                     continue

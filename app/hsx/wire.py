@@ -27,7 +27,15 @@ from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError, core_schema
 
 from hsx import dtypes, lengths
-from hsx.layers import ANY_LAYERS, LAYER_SETS, MAX_LAYER_INDEX, MAX_LAYERS, LayerSetName, check_layers
+from hsx.layers import (
+    ANY_LAYERS,
+    DEFAULT_LAYER_SET,
+    LAYER_SETS,
+    MAX_LAYER_INDEX,
+    MAX_LAYERS,
+    LayerSetName,
+    parse_choice,
+)
 from hsx.names import MAX_LENGTH, PATTERN, Name, PlainText, SampleId
 from hsx.sources import Source
 from hsx.states import JobState, SampleState
@@ -71,6 +79,15 @@ def _integers_only(value: Any) -> Any:
 
 
 IntList = Annotated[list[StrictInt], BeforeValidator(_integers_only)]
+
+
+def _whole(value: Any) -> Any:
+    """3.0 as 3: JSON Schema's "integer" includes it (see parse_body), for bodies FastAPI reads itself."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer as JSON Schema has it (3 or 3.0); a string or a boolean is still refused.
+WholeNumber = Annotated[StrictInt, BeforeValidator(_whole)]
 TOKEN_IDS_SCHEMA: JsonDict = {"minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}
 LOSS_MASK_SCHEMA: JsonDict = {
     "anyOf": [{"type": "array", "items": {"type": "integer", "enum": [0, 1]}}, {"type": "null"}]
@@ -82,7 +99,12 @@ LAYERS_SCHEMA: JsonDict = {
             "minItems": 1,
             "maxItems": MAX_LAYERS,
             "uniqueItems": True,
-            "items": {"type": "integer", "minimum": 0, "maximum": MAX_LAYER_INDEX},
+            "items": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0, "maximum": MAX_LAYER_INDEX},
+                    {"type": "string", "enum": list(LAYER_SETS)},
+                ]
+            },
         },
         {"type": "string", "enum": [*LAYER_SETS, ANY_LAYERS]},
         {"type": "null"},
@@ -232,6 +254,11 @@ class RegenerateOptions(BaseModel):
     concurrency: StrictInt = Field(default=8, ge=1, le=256, description="generation requests in flight per writer")
 
 
+Retention = Literal["keep", "acked"]
+MAX_CONSUMERS = 64
+ConsumerName = Annotated[Name, Field(min_length=1, description="a consumer's name, unique within its job")]
+
+
 class JobOptions(BaseModel):
     """How a job's samples become what is extracted: its length and invalid-sample policies, how
     conversation samples are rendered (and regenerated), and how its hidden states are stored."""
@@ -281,6 +308,36 @@ class JobOptions(BaseModel):
         "decode; input_ids and loss_mask stay exact",
     )
 
+    consumers: Annotated[list[ConsumerName], Field(max_length=MAX_CONSUMERS)] | None = Field(
+        default=None,
+        description="consumers registered with the job (each a trainer that acknowledges what it has read, "
+        "POST /v1/jobs/{id}/consumers/{name}/acks); more can be registered later",
+    )
+    retention: Retention = Field(
+        default="keep",
+        description="keep every shard (keep), or delete a shard's file once every consumer has read it for the "
+        "last time (acked; needs consumers); the feed and the manifest keep its record, marked deleted",
+    )
+    max_unread_bytes: StrictInt | None = Field(
+        default=None,
+        ge=1,
+        le=2**62,
+        description="back-pressure: while the job's shards not yet read by every consumer, and its staged samples, "
+        "reach this many bytes, writers extract none of its samples (needs consumers; at least one shard, "
+        "--shard-max-bytes)",
+    )
+
+    @model_validator(mode="after")
+    def _consumers_for_feed_options(self) -> JobOptions:
+        if self.consumers is not None and len(set(self.consumers)) != len(self.consumers):
+            raise ValueError("consumers: each name once")
+        if not self.consumers:
+            if self.retention == "acked":
+                raise ValueError("retention acked deletes what every consumer has read: name the consumers too")
+            if self.max_unread_bytes is not None:
+                raise ValueError("max_unread_bytes waits for consumers to read: name the consumers too")
+        return self
+
     def is_default(self) -> bool:
         return self == JobOptions()
 
@@ -294,21 +351,14 @@ class JobCreate(JobOptions):
         None,
         description="a JSONL or Parquet file (one sample per line or row) relative to the service's input root",
     )
-    layers: (
-        Annotated[
-            list[StrictInt],
-            # checked before the elements: a huge list costs one error, not one per element
-            Field(max_length=MAX_LAYERS),
-        ]
-        | LayerSetName
-        | None
-    ) = Field(
+    layers: list[StrictInt] | str | None = Field(
         None,
         description="what the job's trainer reads: a named set (default eagle3: "
         + "; ".join(f"{name}: {s.description}" for name, s in LAYER_SETS.items())
-        + f"; {ANY_LAYERS}: whatever the server captures, kept from the first stored sample), or a list of layers, "
-        "ascending, the server must capture exactly. Only workers whose server gives them run the job; it waits "
-        "meanwhile, saying what it needs",
+        + f"; {ANY_LAYERS}: whatever the server captures, kept from the first stored sample), a list of layers "
+        '(ascending), or a list of sets and layers (e.g. ["eagle3", "dflash"]: their union is captured once, '
+        "each layer stored once, each set read back by name). Only workers whose server captures them run the "
+        "job; it waits meanwhile, saying what it needs",
         json_schema_extra=LAYERS_SCHEMA,
     )
 
@@ -321,19 +371,16 @@ class JobCreate(JobOptions):
     @field_validator("layers", mode="before")
     @classmethod
     def _layers_shape(cls, v: Any) -> Any:
-        """One error under `layers` for any bad shape: left to the union, pydantic would report each of
-        its branches (the list's and the names'), a huge list's elements each."""
-        if v is None or (isinstance(v, str) and v in (*LAYER_SETS, ANY_LAYERS)):
+        """One error under `layers` for any bad shape (hsx.layers.parse_choice names the sets there are): left
+        to a union, pydantic would report each of its branches, a huge list's elements each. A list of sets
+        comes back as the one key the job keeps (eagle3+dflash)."""
+        if v is None:
             return v
-        if not isinstance(v, list):
-            raise ValueError(f"expected a layer set ({', '.join([*LAYER_SETS, ANY_LAYERS])}) or a list of layers")
-        if len(v) > MAX_LAYERS:
-            raise ValueError(f"layers must list at most {MAX_LAYERS} layers, each at most {MAX_LAYER_INDEX}")
-        v = _integers(v)  # 3.0 is an integer, as parse_body reads it elsewhere
-        bad = next((i for i, x in enumerate(v) if type(x) is not int), None)
-        if bad is not None:
-            raise ValueError(f"layers must be integers; element {bad} is {type(v[bad]).__name__}")
-        return check_layers(v)
+        if isinstance(v, list):
+            if len(v) > MAX_LAYERS:
+                raise ValueError(f"layers must list at most {MAX_LAYERS} layers, each at most {MAX_LAYER_INDEX}")
+            v = _integers(v)  # 3.0 is an integer, as parse_body reads it elsewhere
+        return parse_choice(v)
 
 
 class Counts(BaseModel):
@@ -391,6 +438,11 @@ class JobOut(BaseModel):
     )
     waiting_reason: str | None = Field(None, description="why an active job makes no progress right now")
     created_at: datetime
+    prepared_at: datetime | None = Field(
+        None,
+        description="when its last conversation left `preparing` (rendered with the chat template, its answers "
+        "regenerated when the job asks): null for a job of token ids, and while conversations wait to be prepared",
+    )
     started_at: datetime | None = Field(description="when its first sample was claimed")
     cancel_requested_at: datetime | None = Field(
         description="when it was cancelled: it stays `cancelling` while its queued samples are cancelled in the "
@@ -399,6 +451,20 @@ class JobOut(BaseModel):
     finished_at: datetime | None = Field(
         description="when it reached succeeded (every sample not skipped is stored), partial (some stored, some "
         "failed), failed (none stored, or the job could not run) or cancelled"
+    )
+    elapsed_s: float | None = Field(
+        None, description="seconds from its creation to its end (finished_at), or to now while it has not ended"
+    )
+    preparing_s: float | None = Field(
+        None,
+        description="seconds its conversations took to be prepared, from its creation to prepared_at (to now while "
+        "some wait); null for a job of token ids. Extraction starts with the first conversation prepared, so it "
+        "may overlap extracting_s",
+    )
+    extracting_s: float | None = Field(
+        None,
+        description="seconds from its first claimed sample (started_at) to its end, or to now; null before a "
+        "sample is claimed",
     )
     counts: Counts
     tokens: Tokens
@@ -412,9 +478,10 @@ class JobOut(BaseModel):
         description="bytes its shards will take; null when the server's shape was unknown at creation"
     )
     disk_warning: str | None = Field(description="set when the output volume looked too small at creation")
-    layers: list[int] | LayerSetName | None = Field(
-        description="what it asked for: a list of layers, or a named set (eagle3, eagle3_pre_norm, last, "
-        "last_pre_norm, any); null from a job created before jobs said it"
+    layers: list[int | str] | LayerSetName | None = Field(
+        description="what it asked for: a list of layers, a named set (eagle3, eagle3_pre_norm, dflash, "
+        "dflash_pre_norm, last, last_pre_norm, any), or a list of sets and layers; null from a job created before "
+        "jobs said it"
     )
     model: dict[str, Any] | None
     options: JobOptions = Field(
@@ -422,6 +489,11 @@ class JobOut(BaseModel):
         description="its length, invalid and rendering policies, and its encoding",
     )
     manifest_url: str
+
+
+# A job's fields that move with the clock alone: whoever reports a job as it changes (the events stream,
+# `hsx status --watch --json`) leaves them out of the comparison, or a running job would change every second.
+CLOCK_FIELDS = frozenset({"rate_tokens_per_s", "eta_s", "elapsed_s", "preparing_s", "extracting_s"})
 
 
 class JobPage(BaseModel):
@@ -456,7 +528,9 @@ class SampleOut(BaseModel):
     shard: str | None
     offset: int | None
     truncated_from: int | None = Field(
-        None, description="its token count before the job's length policy cut it to expected_tokens; null: not cut"
+        None,
+        description="its token count before the job's length policy cut it to expected_tokens (a conversation "
+        "tokenized only as far as its limit needs: the tokens counted, more than the limit); null: not cut",
     )
     attempt_log: list[AttemptOut] | None = None
     messages: list[dict[str, Any]] | None = Field(
@@ -471,19 +545,103 @@ class SamplePage(BaseModel):
     next_after: str | None = Field(description="pass as ?after= for the next page")
 
 
+class FeedSample(BaseModel):
+    id: str
+    offset: int = Field(description="its first row in every tensor of the shard")
+    num_tokens: int = Field(description="its rows: offset .. offset + num_tokens")
+
+
 class ShardOut(BaseModel):
     name: str
+    seq: int = Field(description="its number in the job's commit feed: 1, 2, ... in the order shards were recorded")
     bytes: int
     sha256: str
     num_samples: int
     num_tokens: int
     created_at: datetime
+    deleted: bool = Field(
+        False, description="retention deleted its file once every consumer had read it; its record stays"
+    )
     url: str = Field(description="where to download it (Range and If-None-Match supported)")
+    samples: list[FeedSample] = Field(description="its samples, in their order in the shard")
 
 
 class ShardList(BaseModel):
+    """A page of the job's commit feed: the shards recorded after `after`, in the order recorded."""
+
     object: Literal["list"] = "list"
-    data: list[ShardOut] = Field(description="every shard written so far, in order")
+    job_id: str
+    data: list[ShardOut] = Field(description="the shards recorded after `after`, in feed order, at most `limit`")
+    after: int = Field(description="the position asked for")
+    last_seq: int = Field(description="the last shard's seq in `data`, or `after` if none: pass as ?after= next")
+    committed: int = Field(description="how many shards the job has recorded so far")
+    has_more: bool = Field(description="shards after last_seq are already recorded (ask again at once)")
+    complete: bool = Field(
+        description="the job has ended and nothing follows last_seq: the feed is complete (a retry, which queues "
+        "its failed samples again or resumes it once cancelled, opens it again: its new shards take the next seqs)"
+    )
+    job_state: JobStateValue
+    header: dict[str, Any] | None = Field(
+        None,
+        description="the manifest as it stands, without its shard and sample lists (layers, hidden_size, dtype, "
+        "encoding, model, final_layer, ...); null until the job's first sample is stored",
+    )
+
+
+MAX_FEED_WAIT_S = 60
+MAX_FEED_LIMIT = 10_000
+
+
+class ConsumerIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ConsumerName
+
+
+class AckIn(BaseModel):
+    """One rank's position: every shard of the feed up to `seq` read in epoch `epoch` of `epochs`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: WholeNumber = Field(0, ge=0, lt=1 << 20, description="the acknowledging rank, 0 .. world_size - 1")
+    world_size: WholeNumber = Field(1, ge=1, le=1 << 20, description="the trainer's ranks (all say the same)")
+    epoch: WholeNumber = Field(1, ge=1, le=1 << 20, description="the epoch it is in, from 1")
+    epochs: WholeNumber = Field(1, ge=1, le=1 << 20, description="how many epochs it reads the job")
+    seq: WholeNumber = Field(ge=0, le=2**31 - 1, description="every shard up to this seq is read, in this epoch")
+
+    @model_validator(mode="after")
+    def _within(self) -> AckIn:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        if self.epoch > self.epochs:
+            raise ValueError(f"epoch {self.epoch} is past epochs {self.epochs}")
+        return self
+
+
+class RankOut(BaseModel):
+    rank: int
+    epoch: int
+    epochs: int
+    seq: int
+    acked_at: datetime
+
+
+class ConsumerOut(BaseModel):
+    object: Literal["consumer"] = "consumer"
+    job_id: str
+    name: str
+    created_at: datetime
+    world_size: int | None = Field(description="as its ranks acknowledged; null before the first acknowledgement")
+    ranks: list[RankOut] = Field(description="each rank's last acknowledgement")
+    read_seq: int = Field(description="every shard up to this seq is read by every rank at least once")
+    released_seq: int = Field(description="every shard up to this seq is read for the last time (retention: acked)")
+    lag_shards: int = Field(description="recorded shards not yet read by every rank")
+    lag_bytes: int = Field(description="their bytes")
+
+
+class ConsumerList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ConsumerOut]
 
 
 class ThroughputPoint(BaseModel):
@@ -502,6 +660,18 @@ class Throughput(BaseModel):
         description="oldest first, from the job's first extraction to its end (or now), windows without any "
         "extraction included; empty until it has extracted something"
     )
+
+
+LAYER_SETS_FIELD = (
+    f"the named layer sets it serves ({', '.join(LAYER_SETS)}): those its server's layers cover on its side of the "
+    "final norm, and the post-norm ones where hsx applies the model's final norm to a pre-norm layer L; a job "
+    "asking for them may run here; null until its server said its layers"
+)
+SERVES_DEFAULT_FIELD = (
+    f"whether it may take a job that does not name its layers (the default set, {DEFAULT_LAYER_SET}); false for a "
+    "server whose layer L lies before the final norm where hsx cannot apply the norm (then ask for "
+    "eagle3_pre_norm); null until its server said its layers"
+)
 
 
 class PreparerOut(BaseModel):
@@ -532,6 +702,8 @@ class WriterOut(BaseModel):
         "process's own writer as of now, the figure `writer.tokens_per_s` shows",
     )
     preparer: PreparerOut | None = Field(None, description="its conversation preparer, as of its last heartbeat")
+    layer_sets: list[str] | None = Field(None, description=LAYER_SETS_FIELD)
+    serves_default: bool | None = Field(None, description=SERVES_DEFAULT_FIELD)
 
 
 class Health(BaseModel):
@@ -547,6 +719,12 @@ class Health(BaseModel):
     writers: list[WriterOut] = Field(
         default_factory=list,
         description="every writer that reported recently (with --api-tokens and no token: none)",
+    )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="what keeps jobs waiting although the service is ok, such as no ready writer giving the "
+        f"default layer set ({DEFAULT_LAYER_SET}), with what to ask for instead; `status` stays ok for them, so "
+        "probes that read it are not failed by a fleet that works for jobs that name their layers",
     )
 
 
@@ -575,6 +753,13 @@ class WorkerOut(BaseModel):
         "go only to workers of the model and layers its first stored sample came from",
     )
     layers: list[int] | None = Field(description="the layers its server gives")
+    final_layer: str | None = Field(None, description="the side of the final norm its server gives layer L on")
+    final_norm: dict[str, Any] | None = Field(
+        None, description="the final norm hsx applies to its pre-norm layer L (checkpoint, tensor, sha256, eps)"
+    )
+    final_norm_problem: str | None = Field(
+        None, description="why hsx cannot apply the final norm to its pre-norm layer L, and what to change"
+    )
     source: Source | None = Field(
         description=f"the engine it takes hidden states with ({', '.join(Source)}: hsx serve --source)"
     )
@@ -595,6 +780,8 @@ class WorkerOut(BaseModel):
         description="tokens it extracted per second over the last minute, as of its last heartbeat"
     )
     preparer: PreparerOut | None = Field(None, description="its conversation preparer, as of its last heartbeat")
+    layer_sets: list[str] | None = Field(None, description=LAYER_SETS_FIELD)
+    serves_default: bool | None = Field(None, description=SERVES_DEFAULT_FIELD)
 
 
 class WorkerList(BaseModel):
@@ -627,7 +814,7 @@ def _integers(value: Any) -> Any:
         return [_integers(v) for v in value]
     if isinstance(value, dict):
         return {k: _integers(v) for k, v in value.items()}
-    return int(value) if _integral(value) else value
+    return _whole(value)
 
 
 @overload

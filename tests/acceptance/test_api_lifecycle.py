@@ -83,6 +83,34 @@ def test_cancel_stores_what_was_in_flight_and_nothing_half(stack, recompute):
     assert again.status_code == 409 and again.headers["content-type"].startswith("application/problem+json")
 
 
+def test_a_cancelled_job_resumed_by_a_retry_stores_every_sample_once(stack, recompute):
+    """Cancelled early, a job goes on under its own id once retried: the samples the cancel left unrun are
+    extracted, those stored before stay, its feed numbers its shards 1..n, and its one manifest lists each
+    sample once with its own tensors."""
+    svc, _ = stack
+    samples = make_samples(30, seed=15, lo=30, hi=120)
+    job = svc.post_job({"samples": samples}).json()
+    deadline = time.monotonic() + 60
+    while svc.get(f"/v1/jobs/{job['id']}").json()["counts"]["queued"] == 30 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel").json()["state"] == "cancelling"
+    stopped = svc.wait_job(job["id"])
+    assert stopped["state"] == "cancelled" and stopped["counts"]["cancelled"] > 0
+    before = {s.id: s.shard for s in load_manifest(svc.output_root / job["id"]).samples}
+    feed = svc.get(f"/v1/jobs/{job['id']}/shards").json()
+    assert feed["complete"] and feed["committed"] == stopped["shards_written"]
+
+    resp = svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/retry")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["counts"]["cancelled"] == 0 and resp.json()["state"] in ("running", "succeeded")
+    final = svc.wait_job(job["id"])
+    manifest = assert_stored_exactly(svc, final, samples, recompute)
+    assert {s.id: s.shard for s in manifest.samples if s.id in before} == before, "stored before, kept where it was"
+    feed = svc.get(f"/v1/jobs/{job['id']}/shards").json()
+    assert feed["complete"] and [s["seq"] for s in feed["data"]] == list(range(1, final["shards_written"] + 1))
+    assert sorted(x["id"] for s in feed["data"] for x in s["samples"]) == sorted(s["id"] for s in samples)
+
+
 def _db(database_url: str):
     engine = make_engine(database_url)
     return engine, session_factory(engine)
@@ -145,6 +173,40 @@ def test_concurrent_deletes_of_a_finished_job_are_one_204_and_404s(tmp_path, dat
         with ThreadPoolExecutor(16) as pool:
             codes = list(pool.map(delete, range(32)))
         assert sorted(codes) == [204] + [404] * 31, codes
+    finally:
+        svc.stop()
+
+
+def test_concurrent_deletes_with_files_are_204_or_404_and_leave_no_folder(tmp_path, database_url):
+    """Deletes with delete_files=true racing on one finished job: the one that deletes the records removes
+    the folder, the others find the records gone and remove what is left of the folder with it (204) or
+    find nothing (404); none fails on a file another removed first. The folder holds many files, as a
+    long job's leaves it, so that the removals overlap."""
+    svc = start_service(tmp_path, database_url, extra=["--no-writer"])
+    codes: list[int] = []
+    try:
+        for round_ in range(6):
+            job = svc.post_job({"samples": make_samples(3, seed=80 + round_)}).json()
+            assert svc.client.post(f"{svc.url}/v1/jobs/{job['id']}/cancel").status_code == 200
+            assert svc.wait_job(job["id"], timeout=60)["state"] == "cancelled"
+            folder = svc.output_root / job["id"]
+            for n in range(1500):
+                (folder / f"shard-{n:06d}.safetensors").write_bytes(b"x")
+
+            def delete(_, job_id=job["id"]):
+                with httpx.Client(timeout=30) as c:
+                    return c.delete(f"{svc.url}/v1/jobs/{job_id}", params={"delete_files": "true"})
+
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(delete, range(4)))
+            codes += [a.status_code for a in answers]
+            for answer in answers:
+                if answer.status_code != 204:
+                    problem(answer, 404)
+            assert 204 in codes[-4:] and not folder.exists()
+            problem(svc.get(f"/v1/jobs/{job['id']}"), 404)
+        assert set(codes) <= {204, 404}, codes
+        assert "Traceback" not in svc.proc.log()
     finally:
         svc.stop()
 

@@ -64,6 +64,38 @@ def test_streamed_job_asking_for_a_layer_twice_or_out_of_order_is_refused(servic
     assert body["errors"][0]["field"] == "layers" and "unique, ascending" in body["errors"][0]["message"]
 
 
+@pytest.mark.parametrize(
+    "query, field, words",
+    [
+        ("encodng=fp8", "query.encodng", "did you mean encoding?"),
+        ("encoding=fp8&encoding=raw", "query.encoding", "given 2 times"),
+        ("name=a&name=b", "query.name", "given 2 times"),
+        ("layers=2,4&layers=2,4", "query.layers", "given 2 times"),
+        ("layers=2,,4", "layers", "an empty item"),
+        ("layers=2,4,", "layers", "an empty item"),
+        ("layers=2,%204", "layers", "' 4', which is not a layer number"),
+        ("max_length=8&max_length=9&lenght_policy=skip", "query.max_length", "given 2 times"),
+    ],
+)
+def test_a_streamed_jobs_query_is_as_strict_as_a_json_body(service, unchanged, query, field, words):
+    """An unknown or repeated parameter, or a layer list with an empty item, is a 422 naming it: never a job
+    made with defaults, the last value, or the layers that remain."""
+    resp = service.client.post(
+        f"{service.url}/v1/jobs?{query}",
+        content=json.dumps(OK).encode() + b"\n",
+        headers={"content-type": "application/x-ndjson"},
+    )
+    errors = problem(resp, 422)["errors"]
+    assert errors[0]["field"] == field and words in errors[0]["message"], errors
+
+
+def test_a_json_bodys_query_is_checked_alike(service, unchanged):
+    """With a JSON body too, a parameter a job creation does not take, or one given twice, is refused."""
+    for query, field in (("encodng=fp8", "query.encodng"), ("name=a&name=b", "query.name")):
+        resp = service.client.post(f"{service.url}/v1/jobs?{query}", json={"samples": [OK]})
+        assert problem(resp, 422)["errors"][0]["field"] == field
+
+
 def test_not_json_is_a_problem(service, unchanged):
     resp = service.client.post(service.url + "/v1/jobs", content=b"{nope", headers={"content-type": "application/json"})
     problem(resp, 422)

@@ -391,6 +391,12 @@ def test_failed_retry_cancel_delete(run, servers, tmp_path):
     assert code == 0 and lines[0] == f"{other} cancelling" and lines[-1] == f"{other} cancelled", out
     code, _, err = run("cancel", other)
     assert code == 2 and "Conflict" in err
+    code, out, _ = run("retry", other)  # the cancelled job goes on with what it had not stored
+    assert code == 0 and out.startswith(other) and " sample(s) queued" in out, out
+    code, out, _ = run("status", other, "--watch", "--interval", "0.2")
+    assert code == 0 and "] succeeded" in out and "cancelled" not in out.splitlines()[-1], out
+    code, _, err = run("retry", other)
+    assert code == 2 and "no failed or cancelled samples" in err
 
 
 class Terminal(io.StringIO):
@@ -449,7 +455,35 @@ def test_long_commands_log_progress_on_stderr_when_it_is_not_a_terminal(finished
     quiet = hsx_proc("download", job.id, tmp_path / "dl2", "--json")
     assert quiet.returncode == 0 and quiet.stderr == "" and json.loads(quiet.stdout)["job_id"] == job.id
 
+    waited = hsx_proc("download", job.id, tmp_path / "dl3", "--wait", "-q")
+    assert waited.returncode == 0 and waited.stderr == "" and waited.stdout.startswith(f"{job.id} succeeded\n")
+
     done = hsx_proc("verify", out_dir)
     assert done.returncode == 0 and "hsx verify" not in done.stdout
     assert "(100%)" in progress_lines(done.stderr, "verify")[-1]
     assert hsx_proc("verify", out_dir, "-q").stderr == ""
+
+
+def test_quiet_submit_prints_the_job_id_alone_and_its_progress_goes_to_stderr(servers, tmp_path):
+    """`hsx submit -q --wait` is for scripts: stdout is exactly the job's id, the exit status says how the job
+    ended, an error is said on stderr. Without -q, --wait shows its progress on stderr, never on stdout."""
+    _, ref = servers
+    path = jsonl(tmp_path / "quiet.jsonl", make_samples(4, seed=57))
+    quiet = hsx_proc("submit", path, "-q", "--wait", "--interval", "0.2")
+    assert quiet.returncode == 0 and re.fullmatch(r"job_\w+\n", quiet.stdout), quiet.stdout
+    assert quiet.stderr == ""
+    with HsxClient() as hsx:
+        assert hsx.get_job(quiet.stdout.strip()).state == "succeeded"
+
+    shown = hsx_proc("submit", path, "--wait", "--interval", "0.2")
+    assert shown.returncode == 0 and re.fullmatch(r"job_\w+ \w+: 4 samples, \d+ tokens\n", shown.stdout), shown.stdout
+    assert "] succeeded" in shown.stderr, shown.stderr
+
+    faults = f"{ref.url}/admin/faults"
+    httpx.post(faults, json={"bad_dumps": {"probability": 1.0, "kind": "wrong_num_tokens"}}).raise_for_status()
+    try:
+        failed = hsx_proc("submit", path, "-q", "--wait", "--interval", "0.2")
+    finally:
+        httpx.delete(faults).raise_for_status()
+    assert failed.returncode == 1 and re.fullmatch(r"job_\w+\n", failed.stdout), failed.stdout
+    assert f"job {failed.stdout.strip()} failed" in failed.stderr and "[" not in failed.stderr, failed.stderr

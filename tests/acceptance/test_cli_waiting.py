@@ -1,5 +1,6 @@
 """`hsx submit --wait` and `hsx status` say why a job waits, in words a person can act on, when no writer can
-run it: here an API with no writer at all (`hsx serve --no-writer`, nothing else on its database)."""
+run it: here an API with no writer at all (`hsx serve --no-writer`, nothing else on its database). `submit
+--wait` says it on stderr with its progress; its stdout holds what scripts read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import selectors
 import subprocess
 import time
+from typing import IO
 
 from tests.support.procs import hsx_command
 from tests.support.stack import start_service
@@ -15,15 +17,15 @@ from tests.support.stack import start_service
 NO_WRITER = "waiting: no writer is running (start `hsx serve` or `hsx worker` with a dump root against this database)"
 
 
-def read_until(proc: subprocess.Popen[str], wanted: str, timeout: float = 60.0) -> str:
-    """What the process printed until a line holding `wanted` (or the timeout)."""
-    assert proc.stdout is not None
+def read_until(stream: IO[str] | None, wanted: str, timeout: float = 60.0) -> str:
+    """What a process printed on `stream` until a line holding `wanted` (or the timeout)."""
+    assert stream is not None
     selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
+    selector.register(stream, selectors.EVENT_READ)
     seen, deadline = "", time.monotonic() + timeout
     while wanted not in seen and time.monotonic() < deadline:
         if selector.select(timeout=0.5):
-            line = proc.stdout.readline()
+            line = stream.readline()
             if not line:
                 break
             seen += line
@@ -43,10 +45,10 @@ def test_submit_and_status_say_why_the_job_waits(tmp_path):
         env=env,
     )
     try:
-        printed = read_until(submit, NO_WRITER)
+        job_id = read_until(submit.stdout, "job_").split()[0]  # the job's id first, on stdout
+        printed = read_until(submit.stderr, NO_WRITER)  # the progress and why it waits, on stderr
         assert NO_WRITER in printed, printed
         assert printed.count(NO_WRITER) == 1
-        job_id = printed.split()[0]
         status = subprocess.run(
             [*hsx_command(), "status", job_id], capture_output=True, text=True, env=env, timeout=60, check=True
         )

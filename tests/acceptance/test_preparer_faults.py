@@ -1,7 +1,8 @@
 """Conversations that cannot be prepared, on SQLite and Postgres: each such sample fails or is skipped alone,
-with its reason, and never holds the others; a template that raises or runs for hours costs one sample; a
-cancelled job's render stops at once and a stopping service does not wait for one; and a preparer the
-database keeps refusing shows in /healthz, the worker's /healthz and /metrics until it can go on.
+with its reason, and never holds the others; a template that raises, runs for hours or expands its output
+past --prepare-max-mb costs one sample; a turn of megabytes is tokenized only as far as the length limit
+needs; a cancelled job's render stops at once and a stopping service does not wait for one; and a preparer
+the database keeps refusing shows in /healthz, the worker's /healthz and /metrics until it can go on.
 
 The service runs in front of the reference server, whose model folder carries a tokenizer and chat template
 (tests.support.chat); the hostile templates are folders of their own, named by the jobs' `tokenizer`."""
@@ -24,6 +25,7 @@ from tests.support.stack import VOCAB, make_checkpoint, start_reference, start_s
 GOOD = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "answer one"}]
 BOOM = [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]
 SLOW = [{"role": "user", "content": "slow"}, {"role": "assistant", "content": "x"}]
+GROW = [{"role": "user", "content": "grow"}, {"role": "assistant", "content": "x"}]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,11 @@ def hostile(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile-templates")
     return {
         name: str(chat.save_chat_tokenizer(root / name, template, vocab_size=VOCAB))
-        for name, template in (("boom", chat.RAISES_ON_BOOM), ("slow", chat.SLOW_ON_SLOW))
+        for name, template in (
+            ("boom", chat.RAISES_ON_BOOM),
+            ("slow", chat.SLOW_ON_SLOW),
+            ("grow", chat.EXPANDS_ON_GROW),
+        )
     }
 
 
@@ -127,6 +133,43 @@ def test_a_render_that_runs_too_long_fails_alone(tmp_path, reference, hostile, d
         job = svc.wait_job(svc.post_job(body).json()["id"], timeout=120)
         assert (job["state"], job["counts"]["succeeded"], job["counts"]["failed"]) == ("partial", 2, 1), job
         assert by_id(svc, job["id"])["s1"]["last_error"] == "prepare_timeout: rendering took over 10 s"
+    finally:
+        svc.stop()
+
+
+def test_a_render_past_the_memory_bound_fails_alone_and_a_long_turn_is_cut_before_it_is_tokenized(
+    tmp_path, reference, hostile, database_url
+):
+    svc = start_service(
+        tmp_path,
+        database_url,
+        backend_url=reference.url,
+        dump_root=reference.dump_root,
+        extra=["--prepare-max-mb", "640", *roots(hostile)],
+    )
+    try:
+        # A 2 MB turn, some 350,000 tokens whole: the sample keeps 64 of them, and far fewer are tokenized.
+        long = [{"role": "user", "content": "hello there " * 170_000}, GOOD[1]]
+        body = {
+            "tokenizer": hostile["grow"],
+            "max_length": 64,
+            "length_policy": "truncate",
+            "loss": "all",
+            "samples": samples(GROW, GOOD, long, GROW, GOOD),
+        }
+        job = svc.wait_job(svc.post_job(body).json()["id"], timeout=180)
+        assert (job["state"], job["counts"]["succeeded"], job["counts"]["failed"]) == ("partial", 3, 2), job
+        stored = by_id(svc, job["id"])
+        for failed in ("s0", "s3"):
+            assert stored[failed]["last_error"] == (
+                "prepare_memory: rendering took more than the 640 MB the rendering process may hold (MemoryError); "
+                "--prepare-max-mb sets that bound"
+            )
+        assert stored["s2"]["expected_tokens"] == 64 and 64 < stored["s2"]["truncated_from"] < 40_000, stored["s2"]
+        # Refused for its length, it says its count is a floor: the rest of its text was never tokenized.
+        job = svc.wait_job(svc.post_job({"max_length": 64, "samples": samples(long)}).json()["id"], timeout=120)
+        reason = by_id(svc, job["id"])["s0"]["last_error"]
+        assert reason.startswith("too_long: at least ") and reason.endswith(" tokens exceed max_length of 64"), reason
     finally:
         svc.stop()
 

@@ -1,7 +1,7 @@
 """The documentation's examples work: README.md's quick start, run as it stands (its servers on free
-ports); README.md's short API example, and docs/api.md's curl session and Python SDK snippet, run against a
-live service; every `hsx` line of the command-line examples parses; and the SGLang
-launch commands of docs/engines.md fit the supported release."""
+ports); README.md's short API example and its trainer that follows a running job, and docs/api.md's curl
+session and Python SDK snippet, run against a live service; every `hsx` line of the command-line examples
+parses; and the SGLang launch commands of docs/engines.md fit the supported release."""
 
 from __future__ import annotations
 
@@ -147,6 +147,26 @@ def test_python_sdk_snippet(service, tmp_path):
     manifest = json.loads((tmp_path / "out" / job_id / "manifest.json").read_text())
     assert manifest["state"] == "succeeded" and manifest["num_stored"] == 2
     assert all((tmp_path / "out" / job_id / s["name"]).is_file() for s in manifest["shards"])
+
+
+def test_readme_follow_example(service, tmp_path):
+    """The trainer that follows a job as it runs: every sample read, everything acknowledged, and with
+    retention acked every shard deleted once read."""
+    script = tmp_path / "follow.py"
+    script.write_text(marked_block("## Train while it extracts", README, "follow", "python"))
+    env = {**os.environ, "HSX_URL": service.url}
+    env.pop("HSX_TOKEN", None)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    read, acked, committed = map(
+        int, re.search(r"^read (\d+) items; (\d+) of (\d+) shards$", proc.stdout, re.M).groups()
+    )
+    assert read == 12 and acked == committed > 0
+    with HsxClient(service.url) as hsx:
+        job = next(j for j in hsx.iter_jobs() if j.name == "follow")
+        assert job.state == "succeeded" and all(s.deleted for s in hsx.list_shards(job).data)
 
 
 def test_command_line_examples_parse():

@@ -2,11 +2,13 @@
 bfloat16: the same samples stored raw, lossless and fp8 by one service, one request in flight (so the
 server computes each sample the same way every time). The lossless job's tensors, as every reader
 decodes them (the Dataset, the tensor route, verify), are the raw job's bit for bit in fewer bytes;
-the fp8 job's lie within the bound its manifest records."""
+the fp8 job's lie within the bound its manifest records. And a training loop that follows a job from its
+first shard reads each sample once, before the job ends, as stored."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ import torch
 from safetensors.torch import load
 
 from hsx.manifest import load_manifest
-from hsx.training import HiddenStateDataset
+from hsx.sdk import HsxClient
+from hsx.training import HiddenStateDataset, HiddenStateStream
 from hsx.verify import verify_job
 from tests.support.real_sglang import AUX, PLUGIN_FLAGS, SGLang, check_stored, make_items, sglang_python
 from tests.support.stack import start_service
@@ -93,5 +96,51 @@ def test_a_lossless_job_reads_back_as_the_raw_job_bit_for_bit(tmp_path, server, 
             )
             for key, tensor in got["raw"].items():
                 assert torch.equal(tensor.view(torch.uint8), got["lossless"][key].view(torch.uint8)), key
+    finally:
+        svc.stop()
+
+
+def test_a_trainer_follows_a_real_sglang_job_from_its_first_shard(tmp_path, server, model):
+    """A small training loop (a linear layer from the aux hidden states to the last one) started with the
+    job reads each sample once, its first batch before the job ends, every item the tensor the job
+    stored, which is the model's own (bfloat16 arithmetic: within its rounding)."""
+    sample_bytes = 80 * (len(LAYERS) * 256 * 2 + 16)  # the longest sample: four bf16 layers of hidden 256
+    svc = start_service(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'hsx.db'}",
+        backend_url=server.url,
+        dump_root=Path(server.env["HSX_DUMP_ROOT"]),
+        extra=["--shard-max-bytes", str(3 * sample_bytes), "--shard-max-wait-s", "1"],
+    )
+    items = make_items(24, seed=8)
+    try:
+        with HsxClient(svc.url) as hsx:
+            job = hsx.create_job(items, options={"consumers": ["fit"]})
+            stream = HiddenStateStream(hsx, job.id, consumer="fit", expect={"layers": "eagle3"}, wait_s=5)
+            torch.manual_seed(0)
+            fit = torch.nn.Linear(3 * 256, 256)
+            optimizer = torch.optim.SGD(fit.parameters(), lr=1e-2)
+            seen, losses, first_at = [], [], None
+            for step, item in enumerate(stream, start=1):
+                first_at = first_at or datetime.now(timezone.utc)
+                loss = torch.nn.functional.mse_loss(fit(item["aux_hidden_state"].float()), item["hidden_state"].float())
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                seen.append(item)
+                losses.append(loss.item())
+                if step % 6 == 0:
+                    stream.ack()
+            stream.ack()
+            done = hsx.get_job(job)
+            assert hsx.consumer(job, "fit").read_seq == hsx.list_shards(job).committed > 1
+        assert done.state == "succeeded" and first_at < done.finished_at  # it trained before the job ended
+        assert sorted(it["id"] for it in seen) == sorted(s["id"] for s in items)
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        check_stored(svc, model[1], svc.get(f"/v1/jobs/{job.id}").json(), items, LAYERS, "bfloat16")
+        stored = {it["id"]: it for it in HiddenStateDataset(svc.output_root / job.id)}
+        for it in seen:
+            for key in ("input_ids", "aux_hidden_state", "hidden_state"):
+                assert torch.equal(it[key], stored[it["id"]][key]), (it["id"], key)
     finally:
         svc.stop()

@@ -1,6 +1,7 @@
 """Plugin mode against a real SGLang 0.5.23, launched as deploy/sglang/README.md says and with
-SGLang's defaults (its warm-up request, the radix cache on): exact tensors, the imitation's answers
-beside the real ones, and the server SIGKILLed and restarted mid-job (the module's last test)."""
+SGLang's defaults (its warm-up request, the radix cache on), capturing the union of two layer sets (eagle3
+and dflash): exact tensors, jobs of either set and of both, the imitation's answers beside the real ones, and
+the server SIGKILLed and restarted mid-job (the module's last test)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,22 @@ import httpx
 import pytest
 import torch
 
-from tests.support.real_sglang import AUX, PLUGIN_FLAGS, SGLang, check_stored, make_items, run_and_check, sglang_python
+from hsx.backends.final_norm import load_final_norm
+from hsx.dtypes import DTYPES
+from hsx.manifest import load_manifest, read_sample
+from hsx.storage.safetensors_raw import read_index
+from hsx.training.dataset import HiddenStateDataset
+from tests.support.real_sglang import (
+    AUX,
+    PLUGIN_FLAGS,
+    SGLang,
+    check_stored,
+    make_items,
+    run_and_check,
+    sglang_python,
+    truth,
+)
+from tests.support.real_vllm import truth as pre_norm_truth
 from tests.support.stack import start_service, start_stock_sglang
 from tests.support.tiny_llama import NUM_LAYERS, VOCAB, make_model
 
@@ -28,11 +44,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modu
     return path, make_model(path)
 
 
+# The union of eagle3's and dflash's aux layers on the 8-layer model, [2, 3, 4, 5, 6] in hsx's numbering, in
+# SGLang's (one less), as deploy/sglang/README.md configures a capture for several layer sets: jobs of
+# either set, or both, run on this one server.
+UNION_FLAGS = [*PLUGIN_FLAGS, "--return-aux-hidden-state-layer-ids", "1", "2", "3", "4", "5"]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model: tuple[Path, torch.nn.Module]) -> Iterator[SGLang]:
     tmp = tmp_path_factory.mktemp("sglang")
     env = {"SGLANG_PLUGINS": "hsx_dump", "HSX_DUMP_ROOT": str(tmp / "dumps")}
-    s = SGLang(sglang_python(), tmp, model[0], PLUGIN_FLAGS, env).start()
+    s = SGLang(sglang_python(), tmp, model[0], UNION_FLAGS, env).start()
     yield s
     s.stop()
 
@@ -60,6 +82,50 @@ def test_plugin_mode_stores_every_sample_exactly(tmp_path, server, model):
         asked = svc.proc.log()
         assert "/model_info " in asked and "/server_info " in asked, "SGLang 0.5.23's current names"
         assert "/get_model_info" not in asked and "/get_server_info" not in asked, "not the deprecated ones"
+    finally:
+        svc.stop()
+
+
+def test_a_job_of_two_layer_sets_stores_each_layer_once_and_reads_each_set_back(tmp_path, server, model):
+    """eagle3 and dflash in one job: their union captured once, each layer stored once, each set read back by
+    name equal to transformers' hidden states. SGLang's post-norm L is also hsx's own final norm (what it
+    applies to vLLM's pre-norm L) applied to transformers' pre-norm L."""
+    svc = start_service(
+        tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=server.url, dump_root=dump_root(server)
+    )
+    try:
+        items = make_items(12, seed=7)
+        job = svc.post_job({"samples": items, "layers": ["dflash", "eagle3"]}).json()
+        assert job["layers"] == ["eagle3", "dflash"]
+        job = svc.wait_job(job["id"], timeout=600)
+        assert job["state"] == "succeeded", job
+        folder = svc.output_root / job["id"]
+        manifest = load_manifest(folder)
+        assert manifest.layers == [2, 3, 4, 5, 6, NUM_LAYERS] and manifest.final_norm is None
+        assert manifest.layer_sets == {"eagle3": [2, 4, 5, 8], "dflash": [2, 3, 4, 5, 6, 8], "last": [8]}
+        for shard in manifest.shards:
+            names = [k for k in read_index(folder / shard.name) if k.startswith("layer_")]
+            assert sorted(names) == sorted(f"layer_{i}" for i in manifest.layers), "each layer once"
+        by_id = {s["id"]: s["input_ids"] for s in items}
+        worst = 0.0
+        for name, aux in (("eagle3", [2, 4, 5]), ("dflash", [2, 3, 4, 5, 6])):
+            ds = HiddenStateDataset(folder, layer_set=name)
+            assert ds.aux_layers == aux and ds.last_layer == NUM_LAYERS
+            for k, sample_id in enumerate(ds.sample_ids):
+                want = truth(model[1], by_id[sample_id], [*aux, NUM_LAYERS])
+                item, aux_want = ds[k], torch.cat([want[i] for i in aux], dim=-1)
+                worst = max(worst, (item["aux_hidden_state"] - aux_want).abs().max().item())
+                worst = max(worst, (item["hidden_state"] - want[NUM_LAYERS]).abs().max().item())
+        assert worst <= 1e-5, worst
+        norm = load_final_norm(manifest.model or {})
+        by_norm = 0.0
+        for sample_id in ds.sample_ids:
+            before = pre_norm_truth(model[1], by_id[sample_id], [NUM_LAYERS])[NUM_LAYERS]
+            normed = norm.apply(before.numpy().view("uint8"), DTYPES["float32"]).view("<f4")
+            stored = read_sample(folder, manifest, sample_id)[f"layer_{NUM_LAYERS}"]
+            by_norm = max(by_norm, (stored - torch.from_numpy(normed.copy())).abs().max().item())
+        print(f"SGLang's post-norm L vs hsx's norm of transformers' pre-norm L: {by_norm:.3g}")
+        assert by_norm <= 1e-4
     finally:
         svc.stop()
 
@@ -115,7 +181,7 @@ def test_the_imitation_answers_as_the_real_server_does(tmp_path, server, model):
     """The same requests to the real SGLang and to `hsx reference-server --stock-sglang` launched alike:
     the same status codes, and in each answer the same fields hsx reads; the same server settings."""
     imitation = start_stock_sglang(
-        tmp_path, model[0], dump_root=tmp_path / "i", flags=[*PLUGIN_FLAGS, "--dtype", "float32"]
+        tmp_path, model[0], dump_root=tmp_path / "i", flags=[*UNION_FLAGS, "--dtype", "float32"]
     )
     try:
         with httpx.Client(timeout=60) as c:

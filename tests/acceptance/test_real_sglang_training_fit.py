@@ -140,6 +140,7 @@ def test_a_seeded_sampling_job_is_refused_on_a_server_that_ignores_seeds(tmp_pat
         assert refused.status_code == 422, refused.text
         error = refused.json()["errors"][0]
         assert error["field"] == "regenerate.seed" and "--enable-deterministic-inference" in error["message"]
+        assert "its CPU engine refuses that flag" in error["message"], "what the test below shows, said"
         # greedy needs no seed, and sampling without one is taken
         for regenerate in ({"max_new_tokens": 2, "seed": 7}, {"max_new_tokens": 2, "temperature": 1.0}):
             created = svc.post_job({"samples": conversations(1), "regenerate": regenerate})

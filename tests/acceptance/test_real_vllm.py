@@ -1,7 +1,8 @@
 """Jobs against a real vLLM 0.32.0 (its CPU build) with hsx's connector, `hsx serve --source vllm`:
 every stored tensor proven by the file's token ids and equal to a transformers recomputation, several
-requests in flight, prompts sharing a prefix with vLLM's prefix cache on, the server SIGKILLed and
-restarted mid-job, and a dump root the server does not write to (refused before any attempt)."""
+requests in flight, prompts sharing a prefix with vLLM's prefix cache on, the default job's layer L after
+the final norm hsx applies, the server SIGKILLed and restarted mid-job, and a dump root the server does not
+write to (refused before any attempt)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.real_vllm import EAGLE3_LAYERS, VLLM, items, largest_difference, tiny_model, vllm_python
+from tests.support.real_vllm import (
+    EAGLE3_LAYERS,
+    VLLM,
+    check_final_norm_by_hsx,
+    items,
+    largest_difference,
+    norm_weight_sha256,
+    tiny_model,
+    vllm_python,
+)
 from tests.support.stack import Service, start_service
 from tests.support.tiny_llama import VOCAB
 
@@ -96,6 +106,38 @@ def test_a_dump_root_the_server_does_not_write_to_is_refused_before_any_attempt(
         assert "hsx-vllm.json" in (job["waiting_reason"] or ""), job
         assert svc.get("/healthz").json()["writer"]["state"] == "refusing"
         assert all(s["attempts"] == 0 for s in svc.get(f"/v1/jobs/{job['id']}/samples").json()["data"])
+    finally:
+        svc.stop()
+
+
+def test_the_default_job_reads_layer_l_after_the_final_norm_hsx_applies(tmp_path, server, model):
+    """vLLM gives L before the final norm; the default job (eagle3) reads it after: hsx applies the model's
+    own norm, its weight read from the checkpoint vLLM reports. The stored L equals transformers' norm module
+    applied to the same samples' pre-norm L (an eagle3_pre_norm job's) within 1e-6 of each value's magnitude
+    (at least 1; float32 sums the mean of squares in another order there), and transformers' hidden_states[L]
+    (SGLang's post-norm L, within 1e-5 of it in the plugin's tests) within 1e-4."""
+    svc = service(tmp_path, server, "--max-in-flight", "4")
+    try:
+        server_said = svc.get("/healthz").json()["writer"]["server"]
+        assert {"eagle3", "eagle3_pre_norm"} <= set(server_said["layer_sets"]), server_said
+        assert server_said["final_norm"]["sha256"] == norm_weight_sha256(model[0])
+        samples = items(12, seed=6)
+        post = svc.post_job({"samples": samples}).json()
+        assert post["layers"] == "eagle3"
+        pre = svc.post_job({"samples": samples, "layers": "eagle3_pre_norm"}).json()
+        post, pre = svc.wait_job(post["id"], timeout=600), svc.wait_job(pre["id"], timeout=600)
+        by_norm = by_transformers = 0.0
+        for sample_id, after, before in check_final_norm_by_hsx(svc, post, pre, samples, model[0]):
+            ids = next(s["input_ids"] for s in samples if s["id"] == sample_id)
+            with torch.no_grad():
+                normed = model[1].model.norm(before)
+                final = model[1](torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+            by_norm = max(by_norm, ((after - normed).abs() / normed.abs().clamp_min(1)).max().item())
+            by_transformers = max(by_transformers, (after - final).abs().max().item())
+        print(
+            f"float32 L: hsx's vs the norm module {by_norm:.3g} (relative), vs hidden_states[L] {by_transformers:.3g}"
+        )
+        assert by_norm <= 1e-6 and by_transformers <= 1e-4
     finally:
         svc.stop()
 

@@ -26,6 +26,7 @@ from tests.support.real_vllm import (
     HSX_CONNECTOR,
     STOCK_ON_CPU,
     VLLM,
+    check_final_norm_by_hsx,
     items,
     read_hidden_states,
     stored,
@@ -94,6 +95,14 @@ def test_hsx_probe_as_a_servers_first_request_and_a_job_in_bfloat16(tmp_path, fr
             assert got["input_ids"].tolist() == s["input_ids"]
             rows[s["id"]] = torch.stack([got[f"layer_{k}"] for k in LAYERS], dim=1)
         nearest_own(rows, {s["id"]: s["input_ids"] for s in samples}, model[1])
+        # The default job reads L after the final norm, which hsx applies to vLLM's: within one unit in the
+        # last place of transformers' norm module (in bfloat16) applied to the same stored pre-norm rows.
+        post = svc.wait_job(svc.post_job({"samples": samples}).json()["id"], timeout=600)
+        for _, after, before in check_final_norm_by_hsx(svc, post, job, samples, fresh.model_path):
+            with torch.no_grad():
+                normed = model[1].model.norm(before)
+            ulp = torch.finfo(torch.bfloat16).eps * normed.float().abs()
+            assert bool(((after.float() - normed.float()).abs() <= ulp).all())
     finally:
         svc.stop()
 

@@ -22,6 +22,7 @@ from tests.support.real_vllm import (
     EAGLE3_LAYERS,
     STOCK_ON_CPU,
     VLLM,
+    VLLMS_OWN,
     items,
     largest_difference,
     tiny_model,
@@ -75,6 +76,30 @@ def test_without_capture_layers_the_writer_refuses_and_says_what_to_give(tmp_pat
         assert all(s["attempts"] == 0 for s in svc.get(f"/v1/jobs/{job['id']}/samples").json()["data"])
     finally:
         svc.stop()
+
+
+def test_vllms_own_class_on_the_cpu_dies_at_the_probe_and_the_writer_says_the_engine_died(tmp_path, model):
+    """vLLM's ExampleHiddenStatesConnector itself, on this CPU-only host: the writer's probe is the first finished
+    request, which kills vLLM's engine. The job waits saying the engine died, and what kills it here, instead of
+    asking about --capture-layers and the storage path; no sample spends an attempt."""
+    tmp = tmp_path / "vllm"
+    tmp.mkdir()
+    own = VLLM(vllm_python(), tmp, model[0], LAYERS, tmp / "dumps", connector=VLLMS_OWN).start()
+    svc = service(tmp_path, own, "--source", "vllm", "--capture-layers", CAPTURE)
+    try:
+        job = svc.post_job({"samples": items(2, seed=5), "layers": "eagle3_pre_norm"}).json()
+        deadline = time.monotonic() + 300
+        while "engine died" not in (job["waiting_reason"] or "") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            job = svc.get(f"/v1/jobs/{job['id']}").json()
+        reason = job["waiting_reason"] or ""
+        assert "its engine died or the server exited" in reason and "pin_memory=True" in reason, reason
+        assert "shared_storage_path" not in reason and "eagle_aux_hidden_state_layer_ids" not in reason, reason
+        assert "pin_memory=True requires a CUDA or other accelerator backend" in own.log(), "the cause, in its log"
+        assert all(s["attempts"] == 0 for s in svc.get(f"/v1/jobs/{job['id']}/samples").json()["data"])
+    finally:
+        svc.stop()
+        own.stop()
 
 
 def test_a_job_stores_every_sample_from_the_stock_files(tmp_path, server, model):

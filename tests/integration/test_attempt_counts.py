@@ -93,7 +93,7 @@ def test_counts_follow_every_way_an_attempt_ends(sessions, tmp_path):
     with sessions.begin() as s:
         repo.recover_writer(s, W, lambda _: True, why="service stopped during the attempt")
     with sessions.begin() as s:
-        assert repo.retry_failed(s, job.id) == 1
+        assert repo.retry_job(s, job.id) == 1
     counts = check(sessions, job.id)
     assert counts[("interrupted", "service stopped during the attempt")] == 1
     with sessions() as s:

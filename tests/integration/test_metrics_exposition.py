@@ -131,6 +131,25 @@ def test_the_worker_health_answers_by_its_writers_state(tmp, state, status):
         server.stop()
 
 
+def test_the_worker_health_says_the_layer_sets_it_gives_and_is_healthy_without_the_default(tmp):
+    """A worker beside vLLM (L before the final norm) takes no job of the default set; that is no failed probe."""
+    writer = Writer(settings_for(tmp, "dumps-vllm"), session_factory(make_engine(f"sqlite:///{tmp / 'hsx.db'}")))
+    writer.status.set("ready", None)
+    writer.status.server = {"source": "vllm", "layers": [2, 4, 5, 8], "layer_sets": ["eagle3_pre_norm"]}
+    server = MetricsServer(writer, "127.0.0.1", 0)
+    server.start()
+    try:
+        host, number = server.address
+        health = httpx.get(f"http://{host}:{number}/healthz")
+        said = health.json()["writer"]
+        assert health.status_code == 200 and (said["layer_sets"], said["serves_default"]) == (
+            ["eagle3_pre_norm"],
+            False,
+        )
+    finally:
+        server.stop()
+
+
 def test_a_port_in_use_is_refused_at_once(writer, port):
     with pytest.raises(OSError):
         MetricsServer(writer, "127.0.0.1", int(port.rsplit(":", 1)[1]))

@@ -75,3 +75,50 @@ def test_processes_starting_together_on_an_empty_postgres_upgrade_it_once(postgr
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     for e in engines:
         e.dispose()
+
+
+def test_shards_recorded_before_the_feed_are_numbered_in_the_order_recorded(database_url):
+    """Migration 0014 gives every existing shard its feed number (by the order recorded, per job) and every
+    job its count of them."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from hsx.db.engine import alembic_config
+
+    engine = make_engine(database_url)
+    try:
+        command.upgrade(alembic_config(engine), "0013")
+        now = "2026-12-01 00:00:00+00:00"
+        with engine.begin() as conn:
+            for job in ("job_a", "job_b"):
+                conn.execute(
+                    text(
+                        "INSERT INTO jobs (id, state, created_at, num_samples, tokens_total, tokens_done, "
+                        "tokens_staged, n_queued, n_running, n_staged, n_succeeded, n_failed, n_cancelled, "
+                        "shards_written) VALUES (:id, 'succeeded', :now, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3)"
+                    ),
+                    {"id": job, "now": now},
+                )
+            # recorded out of name order, and interleaved between the jobs
+            for job, name in [("job_a", "s2"), ("job_b", "s0"), ("job_a", "s0"), ("job_a", "s1"), ("job_b", "s1")]:
+                conn.execute(
+                    text(
+                        "INSERT INTO shards (job_id, name, bytes, sha256, num_samples, num_tokens, created_at) "
+                        "VALUES (:job, :name, 10, 'x', 1, 1, :now)"
+                    ),
+                    {"job": job, "name": name, "now": now},
+                )
+        upgrade(engine)
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT job_id, name, seq FROM shards ORDER BY job_id, seq")).all()
+            counts = dict(conn.execute(text("SELECT id, shards_committed FROM jobs")).all())
+        assert [tuple(r) for r in rows] == [
+            ("job_a", "s2", 1),
+            ("job_a", "s0", 2),
+            ("job_a", "s1", 3),
+            ("job_b", "s0", 1),
+            ("job_b", "s1", 2),
+        ]
+        assert counts == {"job_a": 3, "job_b": 2}
+    finally:
+        engine.dispose()

@@ -235,7 +235,7 @@ def test_cancel_retry_and_fail_move_a_large_job_without_lists_of_keys(sessions):
         job = repo.get_job(s, other)
         assert (job.n_queued, job.n_failed, job.tokens_total) == (0, n, 3 * n)
     with sessions.begin() as s:
-        assert repo.retry_failed(s, other) == n
+        assert repo.retry_job(s, other) == n
     with sessions() as s:
         job = repo.get_job(s, other)
         assert (job.n_queued, job.n_failed) == (n, 0)
@@ -265,7 +265,7 @@ def test_cancel_marks_the_job_and_its_queued_samples_follow_in_batches(sessions,
     assert _job_state(sessions, job_id) == ("cancelling", 24, 1, 0, tokens, 0)
     with sessions.begin() as s:
         assert repo.cancel_job(s, job_id) is None, "a job already cancelling is not cancelled again"
-        assert repo.retry_failed(s, job_id) is None
+        assert repo.retry_job(s, job_id) is None
         assert repo.delete_job(s, job_id) is False
     with sessions.begin() as s:
         later = repo.create_job(s, name=None, layers=None, samples=new_samples(2)).id

@@ -54,11 +54,22 @@ CHATML_ALTERNATING = (
 )
 
 # A template whose own code fails on one word of a conversation, with an error Jinja does not know (not a
-# TemplateError); and one that takes hours on another word.
+# TemplateError); one that takes hours on another word; one that doubles its output without end on a
+# third; and one whose output on a fourth fits in memory as text (the turn ten million times) but not as
+# the tokenizer's tokens.
 RAISES_ON_BOOM = "{% for m in messages %}{% if 'boom' in m['content'] %}{{ 1 // 0 }}{% endif %}{% endfor %}" + LLAMA3
 SLOW_ON_SLOW = (
     "{% for m in messages %}{% if 'slow' in m['content'] %}"
     "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}{% endfor %}"
+) + LLAMA3
+EXPANDS_ON_GROW = (
+    "{% for m in messages %}{% if 'grow' in m['content'] %}{% set out = namespace(text=m['content']) %}"
+    "{% for i in range(64) %}{% set out.text = out.text ~ out.text %}{% endfor %}{{ out.text }}{% endif %}"
+    "{% endfor %}"
+) + LLAMA3
+REPEATS_ON_REPEAT = (
+    "{% for m in messages %}{% if 'repeat' in m['content'] %}{{ (m['content'] ~ ' ') * 10000000 }}{% endif %}"
+    "{% endfor %}"
 ) + LLAMA3
 
 # style -> (bos, eos): Llama 3's base eos, Qwen's

@@ -17,7 +17,14 @@ as generated.
 - a job's layers are ascending;
 - input_path names a file under the service's input root (the test puts INPUT_FILE there);
 - an Idempotency-Key used again must come with the same body, byte for byte;
-- a samples page's `after` names a sample of that job.
+- a samples page's `after` names a sample of that job;
+- retention acked and max_unread_bytes need consumers, each named once (the query's comma-separated names
+  each within the names' limit), and max_unread_bytes is at least one
+  shard (--shard-max-bytes; here every consumer-paced job gets a limit far above it);
+- the commit feed's `after` and an acknowledged `seq` are positions the job has recorded (here: 0, nothing is
+  recorded), an acknowledging rank is below its world_size and its epoch not past its epochs; a feed
+  request's `wait` is cut to half a second (a valid wait of a minute on a job that records nothing would hold
+  the run for that minute).
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ import json
 from typing import Any
 
 import schemathesis
+
+from hsx.names import MAX_LENGTH
+from hsx.wire import MAX_CONSUMERS
 
 INPUT_FILE = "fuzz.jsonl"
 IDEMPOTENCY_KEY_MAX = 255
@@ -48,6 +58,7 @@ def follow_rules(context: schemathesis.HookContext, case: schemathesis.Case) -> 
         case.query.pop("tokenizer", None)
         if case.query.get("max_length") is not None and case.query.get("length_policy") in (None, "reject"):
             case.query["length_policy"] = "truncate"
+        _follow_feed_rules(case.query, query=True)
     return case
 
 
@@ -70,10 +81,50 @@ def _follow_job_rules(body: dict[str, Any]) -> None:
     body.pop("tokenizer", None)
     if body.get("max_length") is not None and body.get("length_policy") in (None, "reject"):
         body["length_policy"] = "truncate"
-    if isinstance(body.get("layers"), list):
-        body["layers"] = sorted(body["layers"])
+    layers = body.get("layers")
+    if isinstance(layers, list):
+        # Ids ascending, and sets that read layer L on one side of the final norm (a job stores it once).
+        post = [x for x in layers if isinstance(x, str) and not x.endswith("_pre_norm")]
+        pre = [x for x in layers if isinstance(x, str) and x.endswith("_pre_norm")]
+        body["layers"] = [*(post or pre), *sorted(x for x in layers if not isinstance(x, str))]
     if isinstance(body.get("input_path"), str):
         body["input_path"] = INPUT_FILE
+    _follow_feed_rules(body)
+
+
+def _follow_feed_rules(options: dict[str, Any], *, query: bool = False) -> None:
+    """A job's consumers, retention and back-pressure, in a JSON body or an NDJSON body's `query`."""
+    consumers = options.get("consumers")
+    if isinstance(consumers, str):  # the query's comma-separated names, each within the names' limit
+        consumers = [c[:MAX_LENGTH] for c in consumers.split(",") if c][:MAX_CONSUMERS]
+    if isinstance(consumers, list):
+        consumers = list(dict.fromkeys(consumers)) or None
+    wants = options.get("retention") == "acked" or options.get("max_unread_bytes") is not None
+    if wants and not consumers:
+        consumers = ["train"]
+    if consumers is None:
+        options.pop("consumers", None)
+    else:
+        options["consumers"] = ",".join(consumers) if query else consumers
+    if options.get("max_unread_bytes") is not None:
+        options["max_unread_bytes"] = 2**40
+
+
+@schemathesis.hook("map_case").apply_to(operation_id=["list_shards", "list_shards_head", "acknowledge"])
+def follow_feed_positions(context: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
+    if case.meta is None or not case.meta.generation.mode.is_positive:
+        return case
+    if case.query:
+        case.query.pop("after", None)
+        if case.query.get("wait") is not None:
+            case.query["wait"] = min(float(case.query["wait"]), 0.5)
+    if isinstance(case.body, dict):
+        case.body["seq"] = 0
+        for low, high in (("rank", "world_size"), ("epoch", "epochs")):
+            value, bound = case.body.get(low), case.body.get(high, 1)
+            if isinstance(value, (int, float)) and isinstance(bound, (int, float)) and value >= bound:
+                case.body[low] = bound - 1 if low == "rank" else bound
+    return case
 
 
 def _key_per_body(headers: dict[str, Any] | None, body: dict[str, Any]) -> None:

@@ -32,6 +32,11 @@ ENV_SCRIPT = Path(__file__).resolve().parent / "engines" / "vllm-env.sh"
 # (class, module) of a connector
 HSX_CONNECTOR = ("HiddenStatesConnector", "hsx_vllm.connector")
 STOCK_ON_CPU = ("CpuCopyConnector", "hsx_vllm.connector")
+# vLLM's own class, as speculators users launch it (a GPU host's): on this CPU-only one it kills the engine
+VLLMS_OWN = (
+    "ExampleHiddenStatesConnector",
+    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+)
 # EAGLE-3's three aux layers and the last, which vLLM gives before the final norm
 EAGLE3_LAYERS = eagle3_capture_layers(NUM_LAYERS)
 
@@ -158,3 +163,39 @@ def largest_difference(
         for k, want in truth(m, s["input_ids"], layers).items():
             worst = max(worst, (got[f"layer_{k}"] - want).abs().max().item())
     return worst
+
+
+def norm_weight_sha256(model: Path) -> str:
+    """The sha256 of the final norm's weight as the checkpoint stores it (what the manifest names)."""
+    import hashlib
+
+    weight = load_file(str(model / "model.safetensors"))["model.norm.weight"]
+    return hashlib.sha256(weight.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def check_final_norm_by_hsx(
+    svc: Service, post: dict[str, Any], pre: dict[str, Any], samples: list[dict[str, Any]], model: Path
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Two jobs of the same samples on one vLLM: `post` asked for L after the final norm, which hsx computed,
+    `pre` for L as vLLM gives it. Both succeeded, the manifests say so; returns (id, post-norm L, pre-norm L)
+    per sample, as stored."""
+    assert post["state"] == pre["state"] == "succeeded", (post, pre)
+    folders = [svc.output_root / job["id"] for job in (post, pre)]
+    manifests = [load_manifest(folder) for folder in folders]
+    after, before = manifests
+    assert after.final_layer == "post_norm" and after.post_norm_layers == [NUM_LAYERS]
+    assert before.final_layer == "pre_norm" and before.post_norm_layers == []
+    assert after.final_norm is not None and before.final_norm is None
+    assert after.final_norm["applied_by"] == "hsx" and after.final_norm["checkpoint"] == str(model)
+    assert after.final_norm["tensor"] == "model.norm.weight"
+    assert after.final_norm["sha256"] == norm_weight_sha256(model)
+    assert "eagle3" in after.sets() and "eagle3_pre_norm" in before.sets()
+    rows = []
+    for s in samples:
+        got = [read_sample(folder, manifest, s["id"]) for folder, manifest in zip(folders, manifests)]
+        assert got[0]["input_ids"].tolist() == got[1]["input_ids"].tolist() == s["input_ids"]
+        for k in after.layers or []:
+            if k != NUM_LAYERS:
+                assert torch.equal(got[0][f"layer_{k}"], got[1][f"layer_{k}"]), "only layer L differs"
+        rows.append((s["id"], got[0][f"layer_{NUM_LAYERS}"], got[1][f"layer_{NUM_LAYERS}"]))
+    return rows

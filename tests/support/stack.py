@@ -135,8 +135,9 @@ def start_service(
     dump_root: Path | None = None,
     extra: list[str] | None = None,
     wait: bool = True,
+    port: int | None = None,
 ) -> Service:
-    port = free_port()
+    port = port or free_port()
     output_root, input_root = tmp / "output", tmp / "input"
     input_root.mkdir(parents=True, exist_ok=True)
     args = hsx_command() + [

@@ -29,6 +29,10 @@ def make_model(folder: Path, dtype: str = "float32", hidden: int = HIDDEN, init:
         torch_dtype=dtype,
     )
     m = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        # A final norm whose weight is not all ones (transformers' initial value): a norm applied with the
+        # wrong weight, or none, then shows in every layer L compared.
+        m.model.norm.weight.copy_(1 + 0.25 * torch.randn(hidden))
     m.to(getattr(torch, dtype)).save_pretrained(folder)
     return m.float()
 

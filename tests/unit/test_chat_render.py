@@ -259,8 +259,9 @@ def test_without_transformers_loading_names_the_extra_to_install(tmp_path, folde
 
 @pytest.mark.parametrize("name", TEMPLATES, ids=list(TEMPLATES))
 def test_a_limit_keeps_the_mask_of_the_kept_tokens_and_looks_for_no_turn_past_them(templates, name, monkeypatch):
-    """With `limit` the mask is the whole render's for the first limit + 1 tokens; the turns past them, which
-    cost a rendering of the conversation each, are not looked for."""
+    """With `limit` the ids start as the whole render's and the mask is its own for the first limit + 1
+    tokens; the turns past them, which cost a rendering of the conversation each, are not looked for, and
+    the text past what the limit needs is not tokenized."""
     template = templates[name]
     messages = [
         m for i in range(40) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})
@@ -271,8 +272,35 @@ def test_a_limit_keeps_the_mask_of_the_kept_tokens_and_looks_for_no_turn_past_th
     monkeypatch.setattr(template, "text", lambda m, **kw: calls.append(len(m)) or text(m, **kw))
     limit = len(whole.input_ids) // 4
     cut = template.render(messages, limit=limit)
-    assert cut.input_ids.tolist() == whole.input_ids.tolist()
+    assert len(cut.input_ids) > limit
+    assert cut.input_ids.tolist() == whole.input_ids[: len(cut.input_ids)].tolist()
     assert cut.loss_mask[: limit + 1].tolist() == whole.loss_mask[: limit + 1].tolist()
     assert cut.loss_mask[: limit + 1].any() and cut.loss_mask.sum() < whole.loss_mask.sum()
     assert max(calls[1:]) < len(messages) // 2, "turns past the limit were rendered for"
     assert template.render(messages, limit=len(whole.input_ids)).loss_mask.tolist() == whole.loss_mask.tolist()
+
+
+@pytest.mark.parametrize("name", TEMPLATES, ids=list(TEMPLATES))
+@pytest.mark.parametrize("loss", ["assistant", "all"])
+def test_a_text_far_longer_than_its_limit_needs_is_tokenized_only_so_far(templates, name, loss, monkeypatch):
+    """A turn of 240,000 characters under a limit of 1,000 tokens: the ids are the first of the whole
+    render's, more than the limit, with the same mask over the first limit + 1, and only a small part of
+    the text is tokenized (hsx.chat.prefix)."""
+    template = templates[name]
+    messages = [
+        {"role": "user", "content": "hello there how are you " * 10_000},
+        {"role": "assistant", "content": "answer one"},
+        {"role": "user", "content": "how are you"},
+        {"role": "assistant", "content": "answer two"},
+    ]
+    whole = template.render(messages, loss)
+    tokenized = []
+    encode = template._encode
+    monkeypatch.setattr(template, "_encode", lambda text: tokenized.append(len(text)) or encode(text))
+    cut = template.render(messages, loss, limit=1000)
+    assert whole.whole and not cut.whole and 1000 < len(cut.input_ids) < len(whole.input_ids)
+    assert cut.input_ids.tolist() == whole.input_ids[: len(cut.input_ids)].tolist()
+    assert cut.loss_mask[:1001].tolist() == whole.loss_mask[:1001].tolist()
+    assert cut.text == whole.text and sum(tokenized) < len(whole.text) / 4
+    prompt = template.continuation(messages[:1], generation_prompt=True, limit=1000)
+    assert len(prompt) > 1000 and prompt == template.continuation(messages[:1], generation_prompt=True)[: len(prompt)]

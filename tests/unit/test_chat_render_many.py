@@ -13,6 +13,9 @@ from hsx.chat.formats import ConversationError
 from hsx.chat.render import ChatTemplate, ChatTemplateError, render_many
 from tests.support import chat
 
+# Worker processes start with the tokenizer loaded (8 s in all): --all runs them.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 

@@ -21,8 +21,9 @@ from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from hsx.exports import export_job
 from hsx.exports.base import ExportRefused
 from hsx.manifest import load_manifest
-from hsx.service.tensors import cut_rows
-from hsx.storage import encoding, fp8
+from hsx.service.tensors import SampleCut
+from hsx.storage import fp8, planes
+from hsx.storage.encoding import base, encoding_of
 from hsx.storage.floats import from_float32, to_float32
 from hsx.storage.mapped import MappedShard
 from hsx.storage.safetensors_raw import read_index
@@ -102,14 +103,14 @@ def test_floats_round_to_nearest_even_as_torch_does(dtype):
 
 def test_planes_round_trip_and_refuse_damaged_frames():
     rows = np.random.default_rng(3).integers(0, 256, (10, 12), dtype=np.uint8)
-    frames = encoding.planes.compress(rows, 4)
+    frames = planes.compress(rows, 4)
     assert len(frames) == 4
     as_arrays = [np.frombuffer(f, dtype=np.uint8) for f in frames]
-    assert np.array_equal(encoding.planes.decompress(as_arrays, 4, rows.size).reshape(10, 12), rows)
+    assert np.array_equal(planes.decompress(as_arrays, 4, rows.size).reshape(10, 12), rows)
     with pytest.raises(ValueError, match="byte plane 1"):
-        encoding.planes.decompress([as_arrays[0], as_arrays[1][:-2], *as_arrays[2:]], 4, rows.size)
+        planes.decompress([as_arrays[0], as_arrays[1][:-2], *as_arrays[2:]], 4, rows.size)
     with pytest.raises(ValueError, match="declares"):
-        encoding.planes.decompress(as_arrays, 4, rows.size * 2)
+        planes.decompress(as_arrays, 4, rows.size * 2)
 
 
 # --- shards: round trips -------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ def stored_layers(path: Path, samples: list[Sample], dtype: str) -> dict[int, to
 @pytest.mark.parametrize("dtype", HIDDEN_STATE_DTYPES)
 @pytest.mark.parametrize(("lengths", "hidden"), [([1], 7), ([1, 1, 3], 33), ([5, 400, 2], 1), ([70, 1], 64)])
 def test_lossless_round_trips_bit_for_bit(tmp_path, monkeypatch, dtype, lengths, hidden):
-    monkeypatch.setattr(encoding, "BLOCK_BYTES", 512)  # many blocks per sample, and a row wider than one
+    monkeypatch.setattr(base, "BLOCK_BYTES", 512)  # many blocks per sample, and a row wider than one
     samples = shard_samples(lengths, hidden, dtype)
     info = write(tmp_path / "s", samples, dtype, hidden, "lossless")
     got = stored_layers(tmp_path / "s", samples, dtype)
@@ -244,7 +245,9 @@ def test_an_encoded_shard_is_a_plain_safetensors_file(tmp_path, enc):
         assert torch.equal(f.get_tensor("input_ids"), torch.cat([s.input_ids for s in samples]))
         if enc == "fp8":
             assert f.get_tensor("layer_2.fp8").dtype == torch.float8_e4m3fn
-    assert names == {"input_ids", "loss_mask"} | {n for i in LAYERS for n in encoding.tensor_names(enc, f"layer_{i}")}
+    assert names == {"input_ids", "loss_mask"} | {
+        n for i in LAYERS for n in encoding_of(enc).tensor_names(f"layer_{i}")
+    }
     assert metadata["encoding"] == enc and metadata["dtype"] == "bfloat16" and metadata["hidden_size"] == "8"
     assert json.loads(metadata["sample_ids"]) == ["s0", "s1"]
 
@@ -253,7 +256,7 @@ def test_an_encoded_shard_is_a_plain_safetensors_file(tmp_path, enc):
 def test_encoding_threads_write_the_same_shard_byte_for_byte(tmp_path, monkeypatch, enc):
     """The flushers hand blocks to encoding threads (hsx.extraction.encoders): more blocks than may wait
     at once, taken back in order, give the shard this thread alone gives; a refusal is found the same."""
-    monkeypatch.setattr(encoding, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(base, "BLOCK_BYTES", 256)
     samples = shard_samples([40, 1, 90, 7], 16, "bfloat16")
     write_shard_ = [
         ShardSample(s.id, s.input_ids.numpy(), s.loss_mask.numpy(), {i: raw_bytes(s.layers[i]) for i in LAYERS})
@@ -284,7 +287,7 @@ def plain_reader():
 @pytest.mark.parametrize("dtype", HIDDEN_STATE_DTYPES)
 @pytest.mark.parametrize("enc", ["raw", *ENCODED])
 def test_the_documented_plain_reader_reads_every_encoding(tmp_path, monkeypatch, dtype, enc):
-    monkeypatch.setattr(encoding, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(base, "BLOCK_BYTES", 256)
     samples = shard_samples([1, 30, 7], 12, dtype)
     write(tmp_path / "s", samples, dtype, 12, enc)
     read_layer = plain_reader()
@@ -329,7 +332,7 @@ def test_the_manifest_records_the_encoding_per_job_and_per_layer(jobs):
         for e in manifest.encoded_layers:
             assert e.raw_bytes == 52 * 24 * DTYPES[manifest.dtype].itemsize
             assert (e.max_error is None) == (enc == "lossless")
-        assert set(manifest.shard_layout) >= set(encoding.tensor_names(enc, "layer_<i>"))
+        assert set(manifest.shard_layout) >= set(encoding_of(enc).tensor_names("layer_<i>"))
 
 
 def test_the_dataset_decodes(jobs):
@@ -353,13 +356,14 @@ def test_the_tensor_route_decodes(jobs):
     def cut(enc: str) -> dict[str, torch.Tensor]:
         manifest = jobs[enc].manifest
         entry = manifest.sample("s-3")
-        data = cut_rows(
+        data = SampleCut(
             jobs[enc].job_dir / entry.shard,
             ["input_ids", "loss_mask"] + [f"layer_{i}" for i in LAYERS],
+            entry.id,
             entry.offset,
             entry.num_tokens,
             metadata={},
-        )
+        ).body()
         from safetensors.torch import load
 
         return load(data)
@@ -389,7 +393,9 @@ def test_verify_decodes_and_finds_damage(jobs, enc):
     job.rewrite_manifest()
     report = verify_job(job.job_dir)
     kinds = report.summary["faults_by_kind"]
-    assert kinds == ({"unreadable": 1} if enc == "lossless" else {"non_finite": 1}), report.to_dict()
+    assert kinds == {"damaged": 1}, report.to_dict()
+    message = report.sample_faults[0].message
+    assert message.startswith("layer_5: ") and ("byte plane 0" if enc == "lossless" else "NaN code") in message
 
 
 def test_verify_finds_a_shard_of_another_encoding(jobs):

@@ -18,7 +18,7 @@ from hsx.backends.engines.vllm import VLLM_INFO_FILE, VLLMEngine
 from hsx.backends.http import BackendUnavailable
 from hsx.cli import build_parser
 from hsx.config import Settings
-from hsx.sources import AUTO, Source
+from hsx.sources import AUTO, Source, source_label
 from hsx.wire import WorkerOut
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +38,7 @@ def test_each_registered_engine_is_an_engine_of_its_own_module(source):
     assert issubclass(cls, Engine) and cls.source is source
     assert cls.__module__.startswith("hsx.backends.engines."), "an engine lives in a module of hsx/backends/engines"
     assert source.description, "the registry says what each engine is (hsx serve --help)"
+    assert source.label and source_label(source.value) == source.label, "and names it for people in messages"
 
 
 def test_every_engine_module_is_registered():

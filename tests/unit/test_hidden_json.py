@@ -405,6 +405,7 @@ def test_the_array_is_freed_with_its_last_reference():
 # -- bounded memory ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # parses a large answer and measures memory: --all runs it
 def test_a_large_answer_needs_only_the_array_and_a_few_megabytes():
     """A ~200 MB answer streamed from a generator (never one bytes object): peak traced memory stays
     within the output array plus a few MB."""

@@ -1,12 +1,14 @@
 """vLLM with its own hidden-states connector, which writes no hsx-vllm.json (hsx.backends.engines.vllm): the
 layers come from --capture-layers, the model from /v1/models and its config.json, the boot id from /metrics'
-process_start_time_seconds. Against a small HTTP server on loopback that answers as vLLM 0.32 does."""
+process_start_time_seconds; an engine that dies at hsx's probe is said to have died. Against a small HTTP server
+on loopback that answers as vLLM 0.32 does."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,12 +19,14 @@ import pytest
 
 from hsx import backends
 from hsx.backends.dumps import DumpRoot
-from hsx.backends.engine import CaptureProblem, Look, Server
+from hsx.backends.engine import CaptureProblem, Look, Server, ServerDown
 from hsx.backends.engines.vllm import VLLM_INFO_FILE, VLLM_INFO_FORMAT, VLLMEngine
 from hsx.cli import build_parser
 from hsx.config import Settings, parse_layer_list
+from hsx.extraction.server_watch import ServerWatch
 from hsx.identity import Identity
 from hsx.sources import AUTO
+from tests.support.procs import hsx_command
 
 # What vLLM 0.32's /metrics says of its API server's process (prometheus_client's process collector).
 METRICS = """# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
@@ -30,6 +34,17 @@ METRICS = """# HELP process_start_time_seconds Start time of the process since u
 process_start_time_seconds {started}
 process_cpu_seconds_total 7.06
 """
+
+# What vLLM 0.32 answers a request in flight when its engine core dies (EngineDeadError through
+# create_error_response: 500), before its watchdog stops the API server; /health answers 503 meanwhile.
+ENGINE_DEAD = {
+    "error": {
+        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
 
 
 class FakeVLLM:
@@ -45,19 +60,33 @@ class FakeVLLM:
         }
         self.metrics: str | None = METRICS.format(started="1.79637827367e+09")
         self.asked: list[str] = []
+        # What a completion does: "no_file" answers without naming a hidden-states file; "dies" kills the
+        # engine (the answer as vLLM gives it, /health 503 from then on); "names_file" names a file that is never
+        # written, and the engine dies (the scheduler named it before the worker's copy failed).
+        self.completion = "no_file"
+        self.dead = False
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 fake.asked.append(self.path)
                 if self.path == "/health":
-                    self._send(200, "text/plain", "")
+                    self._send(503 if fake.dead else 200, "text/plain", "")
                 elif self.path == "/v1/models":
                     self._send(200, "application/json", json.dumps({"object": "list", "data": [fake.card]}))
                 elif self.path == "/metrics" and fake.metrics is not None:
                     self._send(200, "text/plain; version=0.0.4", fake.metrics)
                 else:
                     self._send(404, "application/json", '{"detail": "Not Found"}')
+
+            def do_POST(self) -> None:
+                fake.asked.append(self.path)
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path != "/v1/completions":
+                    self._send(404, "application/json", '{"detail": "Not Found"}')
+                    return
+                status, answer = fake.complete(body, self.headers["X-Request-Id"])
+                self._send(status, "application/json", json.dumps(answer))
 
             def _send(self, status: int, kind: str, body: str) -> None:
                 data = body.encode()
@@ -70,9 +99,21 @@ class FakeVLLM:
             def log_message(self, *args: object) -> None:
                 return None
 
+        self.root = Path("/nonexistent")  # the dump root, once a test's Server has one
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def complete(self, body: dict[str, Any], rid: str) -> tuple[int, dict[str, Any]]:
+        """A completion's status and answer, as `completion` says."""
+        if self.completion == "dies":
+            self.dead = True
+            return 500, ENGINE_DEAD
+        answer: dict[str, Any] = {"choices": [{"text": "x"}], "usage": {"prompt_tokens": len(body["prompt"])}}
+        if self.completion == "names_file":
+            self.dead = True
+            answer["kv_transfer_params"] = {"hidden_states_path": str(self.root / f"cmpl-{rid}-0.safetensors")}
+        return 200, answer
 
     def close(self) -> None:
         self.http.shutdown()
@@ -98,7 +139,8 @@ def fake(checkpoint: Path) -> Iterator[FakeVLLM]:
 def server(tmp_path: Path, fake: FakeVLLM, layers: list[int] | None) -> Server:
     root = tmp_path / "dumps"
     root.mkdir(exist_ok=True)
-    return Server(fake.url, DumpRoot(root), tmp_path / "staging", timeout_s=5.0, capture_layers=layers)
+    fake.root = root.resolve()
+    return Server(fake.url, DumpRoot(root), tmp_path / "staging", timeout_s=5.0, dump_wait_s=0.3, capture_layers=layers)
 
 
 def look(s: Server, *, auto: bool = False) -> Look:
@@ -106,15 +148,29 @@ def look(s: Server, *, auto: bool = False) -> Look:
 
 
 def test_capture_layers_are_ascending_layer_numbers(monkeypatch):
-    assert parse_layer_list("2,4,5,8") == [2, 4, 5, 8] and parse_layer_list(" 0, 8 ") == [0, 8]
+    assert parse_layer_list("2,4,5,8") == [2, 4, 5, 8] and parse_layer_list("0,8") == [0, 8]
     assert parse_layer_list("") is None and Settings().capture_layer_list() is None
-    for bad in ("8,2", "2,2", "2,x", "-1,2"):
+    for bad in ("8,2", "2,2", "2,x", "-1,2", "2,,4", "2,4,", ",", " ", "2, 4", "+2,4", "1_0"):
         with pytest.raises(ValueError):
             parse_layer_list(bad)
         with pytest.raises(ValueError):
             Settings(capture_layers=bad)
     monkeypatch.setenv("HSX_CAPTURE_LAYERS", "2,4,5,8")
     assert Settings().capture_layer_list() == [2, 4, 5, 8]
+
+
+@pytest.mark.slow  # starts the command as a process: --all runs it
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_capture_layers_with_an_empty_item_stop_the_command(tmp_path, command):
+    """A list written with an empty item or a blank is refused (exit 2) before the database is touched,
+    never read as the layers that remain."""
+    for layers in ("2,,4", "2, 4"):
+        database = tmp_path / "hsx.db"
+        args = [command, "--capture-layers", layers, "--database-url", f"sqlite:///{database}"]
+        proc = subprocess.run(hsx_command() + args, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"hsx {command}: --capture-layers (HSX_CAPTURE_LAYERS): {layers!r} is not" in proc.stderr
+        assert not database.exists()
 
 
 @pytest.mark.parametrize("command", ["serve", "worker"])
@@ -228,4 +284,46 @@ def test_an_hsx_vllm_json_older_than_the_server_now_running_is_refused(tmp_path,
     fake.metrics = None  # several API servers: no start time to hold the file to
     os.utime(path, (started - 3600, started - 3600))
     assert VLLMEngine.discover(look(s)) is not None
+    s.close()
+
+
+def test_a_probe_that_finds_no_file_on_a_live_server_asks_about_the_layers_and_the_dump_root(tmp_path, fake):
+    s = server(tmp_path, fake, [2, 4, 5, 8])
+    engine = VLLMEngine.discover(look(s))
+    assert engine is not None
+    said = engine.probe()
+    assert said is not None and said.startswith("a probe request gave no usable hidden states (no_dump: ")
+    assert "--capture-layers (2,4,5,8)" in said and "shared_storage_path" in said
+    s.close()
+
+
+@pytest.mark.parametrize("how", ["dies", "names_file"])
+def test_an_engine_that_dies_at_the_probe_is_said_to_have_died_until_a_probe_gets_through(tmp_path, fake, how):
+    """The stock connector on a host without CUDA kills vLLM's engine at the first finished request: the writer says
+    the engine died (not a question about --capture-layers or the storage path), and keeps saying it while the
+    server is away."""
+    s = server(tmp_path, fake, [2, 4, 5, 8])
+    engine = VLLMEngine.discover(look(s))
+    assert engine is not None
+    fake.completion = how
+    with pytest.raises(ServerDown) as down:
+        engine.probe()
+    said = str(down.value)
+    assert said.startswith("the model server stopped answering during hsx's probe request: its engine died")
+    assert "GET /health: HTTP 503" in said and "pin_memory=True" in said and "hsx's connector" in said
+    assert "shared_storage_path" not in said, "nothing to ask about the dump root"
+    if how == "dies":
+        assert "HTTP 500" in said and "EngineCore encountered an issue" in said
+
+    fake.dead, fake.completion = False, "dies"
+    settings = Settings(source="vllm", capture_layers="2,4,5,8", backend_url=fake.url, dump_root=s.root.path)
+    watch = ServerWatch(settings, s)
+    engine_now, verdict = watch.ensure()
+    assert engine_now is None and verdict is not None and verdict.state == "waiting"
+    assert verdict.reason is not None and verdict.reason.startswith("the model server stopped answering")
+    fake.close()  # then the API server exits: nothing listens
+    _, verdict = watch.ensure()
+    assert verdict is not None and verdict.reason is not None
+    assert verdict.reason.startswith("model server not ready: GET ") and "ConnectError" in verdict.reason
+    assert "(it went away at hsx's last probe: the model server stopped answering" in verdict.reason
     s.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from hsx.matching import NO_WRITER, Waiting
+from hsx.matching import NO_WRITER, Waiting, describe_writer
 
 JOB = SimpleNamespace(layers_key=None, model_key=None, model_info=None, n_preparing=0, options=None)
 
@@ -18,7 +18,7 @@ def test_a_waiting_writer_is_not_said_to_be_waiting_twice():
     reason = Waiting([writer("host:/dumps", "waiting", "model server not ready: GET /health: ConnectError")]).reason(
         JOB
     )
-    assert reason == "host:/dumps: model server not ready: GET /health: ConnectError"
+    assert reason == "the worker on host reading /dumps: model server not ready: GET /health: ConnectError"
     assert f"Waiting: {reason}".lower().count("waiting") == 1
 
 
@@ -29,8 +29,18 @@ def test_other_states_are_said_with_their_reason():
         writer("c:/d", "waiting", None),
     ]
     assert (
-        Waiting(writers).reason(JOB)
-        == "a:/d: refusing: the server returns only the last row; b:/d: starting; c:/d: waiting"
+        Waiting(writers).reason(JOB) == "the worker on a reading /d: refusing: the server returns only the last row; "
+        "the worker on b reading /d: starting; the worker on c reading /d: waiting"
     )
     assert Waiting([writer("a:/d", "ready", None), *writers]).reason(JOB) is None
     assert Waiting([]).reason(JOB) == NO_WRITER
+
+
+def test_writers_are_named_in_words_with_what_they_read():
+    """host:/dump root stays the identity machines read; a message names the worker, its host, its dump root
+    and the engine it reads from."""
+    vllm = SimpleNamespace(identity="vm:/data/dumps1", state="refusing", reason="no hsx-vllm.json", server=None)
+    assert Waiting([vllm]).reason(JOB) == "the worker on vm reading /data/dumps1: refusing: no hsx-vllm.json"
+    dumps = SimpleNamespace(identity="vm:/data/dumps1", state="ready", reason=None, server={"source": "dumps"})
+    assert describe_writer(dumps) == "the worker on vm reading /data/dumps1 (SGLang dumps)"
+    assert describe_writer(SimpleNamespace(identity="odd", server={"source": "elsewhere"})) == "the worker odd"

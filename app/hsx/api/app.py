@@ -6,16 +6,26 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI
 
-from hsx.api import dashboard, docs_page, jobs, openapi, problems, query, routing, security, system
+from hsx.api import consumers, dashboard, docs_page, jobs, openapi, problems, query, routing, security, system
+from hsx.api.admission import Admission
 from hsx.api.bodies import LargeBodies, map_large_blocks
+from hsx.api.deps import Probe
 from hsx.api.responses import NewlineJSONResponse
 from hsx.config import Settings, parse_tokens
-from hsx.db.engine import make_engine, session_factory
+from hsx.db.engine import CONNECTIONS, make_engine, session_factory
 from hsx.extraction import Writer
 from hsx.service.backend_info import BackendInfo
 from hsx.service.cancelling import CancelSweeper
+from hsx.service.feed import FeedWatch
+
+# Of the API engine's connections, those its background work may hold: the cancel sweeper's, and one to
+# spare. Requests share the rest, a slot each (hsx.api.admission).
+BACKGROUND_CONNECTIONS = 2
+# /healthz and /metrics: an engine and threads of their own, one each when both are asked at once.
+PROBE_CONNECTIONS = 2
 
 
 def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
@@ -23,6 +33,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     `writer`, when given, is already acquired and is started with the app."""
     map_large_blocks()
     engine = make_engine(settings.database_url)
+    probe_engine = make_engine(settings.database_url, connections=PROBE_CONNECTIONS)
     sessions = session_factory(engine)
     cancels = CancelSweeper(sessions, settings.output_root, settings.cancel_batch)
 
@@ -36,6 +47,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
             writer.stop()
         cancels.stop()
         engine.dispose()
+        probe_engine.dispose()
 
     app = FastAPI(
         title="hsx",
@@ -52,6 +64,9 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.sessions = sessions
     app.state.read_sessions = session_factory(engine, readonly=True)
+    app.state.admission = Admission(CONNECTIONS - BACKGROUND_CONNECTIONS, settings.connection_wait_s)
+    app.state.feed = FeedWatch(app.state.read_sessions, app.state.admission.check)
+    app.state.probe = Probe(session_factory(probe_engine, readonly=True), anyio.CapacityLimiter(PROBE_CONNECTIONS))
     app.state.writer = writer
     app.state.cancels = cancels
     app.state.backend = BackendInfo(settings)
@@ -59,7 +74,7 @@ def create_app(settings: Settings, writer: Writer | None = None) -> FastAPI:
     problems.install(app)
     query.install(app)
     security.install(app, settings.api_tokens)
-    routers = [jobs.router, system.router]
+    routers = [jobs.router, consumers.router, system.router]
     for router in routers:
         app.include_router(router)
     dashboard.install(app)

@@ -13,8 +13,10 @@ from starlette.concurrency import run_in_threadpool
 
 from hsx.api.bodies import job_body
 from hsx.api.deps import (
+    AdmissionDep,
     BackendDep,
     CancelsDep,
+    FeedDep,
     ReadSessionDep,
     ReadSessionsDep,
     SessionDep,
@@ -23,18 +25,32 @@ from hsx.api.deps import (
     WriterDep,
 )
 from hsx.api.downloads import FileDownload, none_match, wanted_ranges
-from hsx.api.params import JobCursor, JobId, NameQuery, OptionsQuery, SampleCursor, SampleIdPath, ShardName
-from hsx.api.problems import PROBLEM_MEDIA_TYPE
+from hsx.api.params import (
+    NDJSON_QUERY,
+    JobCursor,
+    JobId,
+    NameQuery,
+    OptionsQuery,
+    SampleCursor,
+    SampleIdPath,
+    ShardName,
+    exact_query,
+)
+from hsx.api.problems import problem_responses
 from hsx.extraction import Writer
-from hsx.layers import ANY_LAYERS, DEFAULT_LAYER_SET, LAYER_SETS, check_layers, parse_layers
+from hsx.layers import DEFAULT_LAYER_SET, parse_choice_text
 from hsx.names import shown
+from hsx.service import feed as service_feed
 from hsx.service import jobs as service
 from hsx.service import queries
-from hsx.service.errors import InvalidInput, NotFound, UnsupportedBody
+from hsx.service.errors import Busy, InvalidInput, NotFound, UnsupportedBody
 from hsx.service.tensors import sample_tensors
 from hsx.service.views import job_out
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.wire import (
+    CLOCK_FIELDS,
+    MAX_FEED_LIMIT,
+    MAX_FEED_WAIT_S,
     JobOut,
     JobPage,
     JobStateValue,
@@ -46,29 +62,6 @@ from hsx.wire import (
 )
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-
-
-def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
-    text = {
-        400: "Malformed Range header",
-        401: "Missing or unknown token",
-        403: "Not allowed",
-        404: "Not found",
-        409: "Not allowed in this state",
-        410: "A shard the job recorded is no longer in the output root",
-        413: "Body (or one NDJSON line) too large",
-        415: "Unsupported media type",
-        416: "Range not satisfiable",
-        422: "Invalid input",
-        503: "Database or output root unavailable, or (creation) too many large bodies at once; retry after "
-        "Retry-After seconds",
-        507: "Not enough room on the output volume",
-    }
-    schema = {"$ref": "#/components/schemas/Problem"}
-    return {
-        c: {"description": text[c], "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}}}
-        for c in (401, 403, 422, 503, *codes)  # 422: every route takes a parameter (see hsx.api.params)
-    }
 
 
 CREATE_BODY = {
@@ -97,12 +90,13 @@ CREATED_HEADERS = {"headers": {"Location": {"description": "the job's URL", "sch
     "",
     status_code=202,
     response_model=JobOut,
-    responses={**_problems(413, 415, 507), 202: CREATED_HEADERS},
+    responses={**problem_responses(413, 415, 507), 202: CREATED_HEADERS},
     openapi_extra=CREATE_BODY,
     summary="Create an extraction job",
     description="Samples inline (`samples`), from a JSONL file under the service's input root "
     "(`input_path`), or streamed as an `application/x-ndjson` body (one sample per line; "
-    "then `name`, `layers` and the job's options come from the query string). A sample is token ids "
+    "then `name`, `layers` and the job's options come from the query string, each at most once: another "
+    "parameter, or one given twice, is a 422, whatever the body). A sample is token ids "
     "(`input_ids`, optional `loss_mask`) or a conversation (`messages` or ShareGPT `conversations`), which a "
     "writer renders with the model's chat template before extraction. All samples are checked before "
     "anything is stored. With an `Idempotency-Key` header, repeating the same request "
@@ -115,14 +109,16 @@ async def create_job(
     response: Response,
     settings: SettingsDep,
     sessions: SessionsDep,
+    admission: AdmissionDep,
     backend: BackendDep,
     writer: WriterDep,
     name: NameQuery = None,
     layers: Annotated[
         str | None,
         Query(
-            description="a named layer set (eagle3, the default; eagle3_pre_norm, last, last_pre_norm, any) or "
-            "comma-separated layers, as JobCreate's `layers` (NDJSON bodies only)"
+            description="a named layer set (eagle3, the default; eagle3_pre_norm, dflash, dflash_pre_norm, last, "
+            "last_pre_norm, any), or comma-separated sets and layers (eagle3,dflash; 2,4,5,8: digits between single "
+            "commas), as JobCreate's `layers` (NDJSON bodies only)"
         ),
     ] = None,
     options: OptionsQuery,
@@ -130,6 +126,9 @@ async def create_job(
 ) -> JobOut:
     media = _media_type(request.headers.get("content-type", "application/json"))
     ndjson = media == "application/x-ndjson"
+    # The document declares the NDJSON parameters whatever the body (OpenAPI cannot tie a parameter to a
+    # media type), so a JSON body may come with them; anything else, or one given twice, is refused alike.
+    exact_query(request.query_params, NDJSON_QUERY, "not a parameter of a job creation")
     async with job_body(request, settings.max_ndjson_bytes if ndjson else settings.max_json_bytes) as body:
         if ndjson:
             job = await service.create_job_from_ndjson(
@@ -141,16 +140,19 @@ async def create_job(
                 idempotency_key=idempotency_key,
                 body=body.chunks(),
                 options=options,
+                admitted=admission.slot,
             )
         else:
-            job = await run_in_threadpool(
-                service.create_job,
-                sessions=sessions,
-                settings=settings,
-                backend=backend,
-                body=await body.read(),
-                idempotency_key=idempotency_key,
-            )
+            data = await body.read()
+            async with admission.slot():  # for the checks and the store, not while the body arrives
+                job = await run_in_threadpool(
+                    service.create_job,
+                    sessions=sessions,
+                    settings=settings,
+                    backend=backend,
+                    body=data,
+                    idempotency_key=idempotency_key,
+                )
     _wake(writer)
     response.headers["Location"] = request.scope.get("root_path", "") + f"/v1/jobs/{job.id}"
     return job_out(job)
@@ -172,13 +174,12 @@ def _media_type(content_type: str) -> str:
 
 
 def _layer_list(layers: str | None) -> list[int] | str:
-    """The `layers` query parameter: a named set, or comma-separated layers; the default set when absent."""
+    """The `layers` query parameter: a named set, or comma-separated sets and layers; the default set when
+    absent."""
     if layers is None:
         return DEFAULT_LAYER_SET
-    if layers in LAYER_SETS or layers == ANY_LAYERS:
-        return layers
     try:
-        return check_layers(parse_layers(layers))
+        return parse_choice_text(layers)
     except ValueError as exc:
         raise InvalidInput([{"field": "layers", "message": str(exc)}]) from None
 
@@ -193,7 +194,11 @@ def _wake(writer: Writer | None) -> None:
 
 
 @router.api_route(
-    "", methods=["GET", "HEAD"], response_model=JobPage, responses=_problems(422), summary="List jobs, newest first"
+    "",
+    methods=["GET", "HEAD"],
+    response_model=JobPage,
+    responses=problem_responses(422),
+    summary="List jobs, newest first",
 )
 def list_jobs(
     session: ReadSessionDep,
@@ -208,7 +213,7 @@ def list_jobs(
     "/{job_id}",
     methods=["GET", "HEAD"],
     response_model=JobOut,
-    responses=_problems(404),
+    responses=problem_responses(404),
     summary="A job's state and progress",
 )
 def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
@@ -218,7 +223,7 @@ def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
 @router.get(
     "/{job_id}/events",
     responses={
-        **_problems(404),
+        **problem_responses(404),
         200: {
             "content": {"text/event-stream": {}},
             "description": "`event: job` with the job as JSON whenever it changes; ends once it is finished",
@@ -227,19 +232,26 @@ def get_job(job_id: JobId, session: ReadSessionDep) -> JobOut:
     response_class=StreamingResponse,
     summary="Live progress as server-sent events",
 )
-async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep) -> StreamingResponse:
-    def load() -> JobOut | None:
+async def job_events(
+    job_id: JobId, request: Request, sessions: ReadSessionsDep, admission: AdmissionDep
+) -> StreamingResponse:
+    def read() -> JobOut | None:
         with sessions() as s:
             return queries.job_view_if_any(session=s, job_id=job_id)
 
-    first = await run_in_threadpool(load)
+    async def load() -> JobOut | None:
+        # A slot for each look only: between looks the stream holds no connection and no thread.
+        async with admission.check():
+            return await run_in_threadpool(read)
+
+    first = await load()  # no slot within the wait: a 503, before the stream starts
     if first is None:
         raise NotFound(f"job {shown(job_id)}")
 
     async def stream() -> AsyncIterator[bytes]:
         job, last, quiet = first, None, 0.0
         while True:
-            text = job.model_dump_json(exclude={"rate_tokens_per_s", "eta_s"})
+            text = job.model_dump_json(exclude=set(CLOCK_FIELDS))
             if text != last:
                 yield f"event: job\ndata: {job.model_dump_json()}\n\n".encode()
                 last, quiet = text, 0.0
@@ -250,7 +262,10 @@ async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep)
                 return
             await asyncio.sleep(0.5)
             quiet += 0.5
-            latest = await run_in_threadpool(load)
+            try:
+                latest = await load()
+            except Busy:  # the next look will do
+                continue
             job = latest or job
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -260,7 +275,7 @@ async def job_events(job_id: JobId, request: Request, sessions: ReadSessionsDep)
     "/{job_id}/throughput",
     methods=["GET", "HEAD"],
     response_model=Throughput,
-    responses=_problems(404, 422),
+    responses=problem_responses(404, 422),
     summary="What the job extracted over time: samples, tokens and tokens per second in equal windows",
     description="Windows are a multiple of 5 seconds wide, as narrow as `points` allows, from the job's first "
     "extraction to its end (or now).",
@@ -277,7 +292,7 @@ def get_throughput(
     "/{job_id}/samples",
     methods=["GET", "HEAD"],
     response_model=SamplePage,
-    responses=_problems(404),
+    responses=problem_responses(404),
     summary="Per-sample state, token counts, attempts, errors and placement",
 )
 def list_samples(
@@ -295,7 +310,7 @@ def list_samples(
     "/{job_id}/tensors/{sample_id:path}",
     methods=["GET", "HEAD"],
     responses={
-        **_problems(404, 409, 410),
+        **problem_responses(404, 409, 410, 500),
         200: {
             "content": {"application/octet-stream": {}},
             "description": "safetensors: input_ids, loss_mask, layer_<i> [T, hidden] in the job's dtype, whatever "
@@ -304,23 +319,29 @@ def list_samples(
     },
     response_class=Response,
     summary="One stored sample's tensors as a small safetensors file (GET or HEAD)",
+    description="HEAD answers from the shard's header and metadata (the size of the file GET would send) and "
+    "decodes nothing. A shard that fails a check on what it holds (where it places the sample, a layer's "
+    "index, a frame's size or checksum, an fp8 scale) is a 500 `/problems/shard-damaged` naming the shard, "
+    "layer and sample.",
 )
 def get_sample_tensors(
-    job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep, settings: SettingsDep
+    job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep, settings: SettingsDep, request: Request
 ) -> Response:
-    sample, data = sample_tensors(session=session, job_id=job_id, sample_id=sample_id, output_root=settings.output_root)
-    return Response(
-        data,
-        media_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="sample-{sample.idx}.safetensors"'},
+    head = request.method == "HEAD"
+    sample, cut, data = sample_tensors(
+        session=session, job_id=job_id, sample_id=sample_id, output_root=settings.output_root, read=not head
     )
+    headers = {"Content-Disposition": f'attachment; filename="sample-{sample.idx}.safetensors"'}
+    if head:
+        headers["Content-Length"] = str(cut.size)
+    return Response(data, media_type="application/octet-stream", headers=headers)
 
 
 @router.api_route(
     "/{job_id}/samples/{sample_id:path}",
     methods=["GET", "HEAD"],
     response_model=SampleOut,
-    responses=_problems(404),
+    responses=problem_responses(404),
     summary="One sample, with every attempt and its outcome",
 )
 def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) -> SampleOut:
@@ -330,7 +351,7 @@ def get_sample(job_id: JobId, sample_id: SampleIdPath, session: ReadSessionDep) 
 @router.api_route(
     "/{job_id}/manifest",
     methods=["GET", "HEAD"],
-    responses=_problems(404, 410),
+    responses=problem_responses(404, 410),
     summary="The job's manifest (GET or HEAD): model, layers, shards (with sha256) and where each sample lies",
 )
 def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
@@ -342,24 +363,42 @@ def get_manifest(job_id: JobId, session: ReadSessionDep, settings: SettingsDep) 
     "/{job_id}/shards",
     methods=["GET", "HEAD"],
     response_model=ShardList,
-    responses=_problems(404),
-    summary="The shards written so far, without the manifest's list of samples",
+    responses=problem_responses(404, 422),
+    summary="The commit feed: shards recorded after a position, in the order recorded; waits for the next",
+    description="Every shard a job records takes its next `seq` (1, 2, ...: the order recorded, without gaps, "
+    "whichever writer wrote it). This answers the shards after `after` (each with its samples' ids, offsets and "
+    "lengths), at most `limit`. With `wait`, a request that finds none waits up to that many seconds for the next "
+    "one (or the job's end) before answering. `complete` says the job has ended and nothing follows: a follower "
+    "stops there. Pass `last_seq` as the next `after`.",
 )
-def list_shards(job_id: JobId, session: ReadSessionDep) -> ShardList:
-    return queries.shard_list(session=session, job_id=job_id)
+async def list_shards(
+    job_id: JobId,
+    sessions: ReadSessionsDep,
+    feed: FeedDep,
+    after: Annotated[int, Query(ge=0, le=2**31 - 1, description="the last seq already seen (0: from the start)")] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_FEED_LIMIT, description="the most shards to answer")] = 1000,
+    wait: Annotated[
+        float,
+        Query(ge=0, le=MAX_FEED_WAIT_S, description="seconds to wait for a shard when none follows `after` yet"),
+    ] = 0,
+) -> ShardList:
+    return await service_feed.follow(watch=feed, sessions=sessions, job_id=job_id, after=after, limit=limit, wait=wait)
 
 
 @router.api_route(
     "/{job_id}/shards/{name}",
     methods=["GET", "HEAD"],
     responses={
-        **_problems(404, 410, 416),
+        **problem_responses(404, 410, 416, 500),
         200: {"content": {"application/octet-stream": {}}, "description": "the shard (safetensors)"},
         206: {"description": "the requested byte ranges (Range)"},
         304: {"description": "the shard matches If-None-Match"},
     },
     response_class=FileResponse,
     summary="Download one shard (GET or HEAD); supports Range, If-Range, ETag (its sha256) and If-None-Match",
+    description="The file is served only while it is what its record says: a size or sha256 that differs (the "
+    "sha256 computed once per version of the file) is a 500 `/problems/shard-damaged`, so the ETag is always "
+    "the sha256 of the bytes sent.",
 )
 def get_shard(
     job_id: JobId, name: ShardName, session: ReadSessionDep, settings: SettingsDep, request: Request
@@ -381,7 +420,7 @@ def get_shard(
 @router.post(
     "/{job_id}/cancel",
     response_model=JobOut,
-    responses=_problems(404, 409),
+    responses=problem_responses(404, 409),
     summary="Cancel: queued samples are cancelled; those in flight finish and are stored",
     description="Answers at once with the job `cancelling`, whatever its size: from then on none of its samples "
     "is started, its queued samples are cancelled in the background (in batches of `--cancel-batch`), and the "
@@ -398,9 +437,15 @@ def cancel_job(job_id: JobId, session: SessionDep, cancels: CancelsDep) -> JobOu
 @router.post(
     "/{job_id}/retry",
     response_model=JobOut,
-    responses=_problems(404, 409),
-    summary="Queue the job's failed samples again, with a fresh attempt budget",
-    description="A 409 when the job has no failed samples, or is `cancelling` or `cancelled`.",
+    responses=problem_responses(404, 409),
+    summary="Queue again what the job has not stored (failed samples, and a cancelled job's cancelled ones)",
+    description="Resumes a `partial`, `failed` or `cancelled` job, or a running one with failed samples: its "
+    "failed samples, and the samples a cancel left unrun, are queued again, each with a fresh attempt budget "
+    "(conversations never rendered are prepared again); its stored and skipped samples stay as they are. The job "
+    "becomes `running` (`queued` if it never started) and goes on where it stopped: its next shard takes the next "
+    "name and the next `seq` of its commit feed, whose `complete` is false again until the job ends, and its "
+    "manifest, written again when it ends, lists every stored sample once. A 409 while the job is `cancelling`, and "
+    "for a job with no failed or cancelled samples.",
 )
 def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
     job = service.retry_job(session=session, job_id=job_id)
@@ -412,14 +457,15 @@ def retry_job(job_id: JobId, session: SessionDep, writer: WriterDep) -> JobOut:
     "/{job_id}",
     status_code=204,
     response_class=Response,
-    responses=_problems(404, 409),
+    responses=problem_responses(404, 409),
     summary="Delete a finished job's records, and with delete_files=true its shards and manifest",
     description="Only a finished (`succeeded`, `partial`, `failed` or `cancelled`) job: a 409 while it is `queued`, "
     "`running` or `cancelling`. Without delete_files the job's folder stays in the output root; "
     "delete_files=true removes it, with the records or later, once they are gone, as long as it is a folder "
     "holding only what hsx writes there (shards, manifest.json, temporary files); a folder holding anything "
     "else, or a symbolic link in its place, is a 409 (`/problems/foreign-files`, naming them) and nothing is "
-    "deleted, the records included. A 404 when there are neither records nor (with delete_files) a folder.",
+    "deleted, the records included. A 404 when there are neither records nor (with delete_files) a folder. Deletes "
+    "of one job at once each answer 204 or 404.",
 )
 def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete_files: bool = False) -> Response:
     service.delete_job(session=session, job_id=job_id, output_root=settings.output_root, delete_files=delete_files)
@@ -428,7 +474,7 @@ def delete_job(job_id: JobId, session: SessionDep, settings: SettingsDep, delete
 
 @router.post(
     "/{job_id}/verify",
-    responses=_problems(404, 409, 410),
+    responses=problem_responses(404, 409, 410),
     summary="Check every shard's sha256 and every sample's shapes, dtype and finite values",
     description="A 409 while the job is not finished; a 410 when its folder (manifest and shards) is no longer "
     "in the output root.",

@@ -7,14 +7,19 @@ documents the limit, but validation leaves it to the lookup. A query value longe
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections import Counter
 from typing import Annotated, Any
 
 from fastapi import Depends, Path, Query
 from pydantic import ValidationError
+from starlette.datastructures import QueryParams
 
 from hsx.names import JOB_ID_FORM, MAX_LENGTH, PATTERN, PlainText
-from hsx.service.errors import InvalidInput
+from hsx.service.errors import FieldError, InvalidInput
 from hsx.wire import (
+    MAX_CONSUMERS,
     MAX_NEW_TOKENS,
     Encoding,
     InvalidPolicy,
@@ -22,6 +27,7 @@ from hsx.wire import (
     LengthPolicy,
     LossPolicy,
     RegenerateOptions,
+    Retention,
     SeedIgnored,
 )
 
@@ -41,6 +47,7 @@ SampleIdPath = Annotated[
     PlainText, _in_path("the sample's id, percent-encoded (`/` may stay as it is unless a segment is `.` or `..`)")
 ]
 ShardName = Annotated[PlainText, _in_path("the shard's file name, as the manifest lists it")]
+ConsumerPath = Annotated[PlainText, _in_path("the consumer's name")]
 
 # `after` cursors: a page's `next_after`, which the next request always accepts back; anything a route
 # never hands out is a 422 on both (hsx.service.queries), an empty one the first page.
@@ -106,6 +113,16 @@ def ndjson_options(
         Query(ge=1, le=256, description=f"with regenerate_max_new_tokens; default {_REGENERATE.concurrency}"),
     ] = None,
     encoding: Annotated[Encoding, Query(description="how the shards store hidden states (see JobCreate)")] = "raw",
+    consumers: Annotated[
+        str | None,
+        Query(
+            max_length=MAX_CONSUMERS * (MAX_LENGTH + 1), description="comma-separated consumer names (see JobCreate)"
+        ),
+    ] = None,
+    retention: Annotated[Retention, Query(description="keep, or acked: delete what every consumer read")] = "keep",
+    max_unread_bytes: Annotated[
+        int | None, Query(ge=1, le=2**62, description="back-pressure on the consumers' reading (see JobCreate)")
+    ] = None,
 ) -> JobOptions:
     """An NDJSON body's job options, from the query string: the fields of JobCreate (NDJSON bodies only;
     `regenerate` flattened as regenerate_<field>). A regenerate_<field> without regenerate_max_new_tokens
@@ -136,6 +153,9 @@ def ndjson_options(
         "tokenizer": tokenizer,
         "regenerate": regenerate,
         "encoding": encoding,
+        "consumers": None if consumers is None else consumers.split(","),
+        "retention": retention,
+        "max_unread_bytes": max_unread_bytes,
     }
     try:
         return JobOptions.model_validate(fields)
@@ -144,3 +164,26 @@ def ndjson_options(
 
 
 OptionsQuery = Annotated[JobOptions, Depends(ndjson_options)]
+
+
+# What a job creation's query string may hold, with an application/x-ndjson body only: a JSON body carries
+# the job's name, layers and options itself.
+NDJSON_QUERY = frozenset({"name", "layers", *inspect.signature(ndjson_options).parameters})
+
+
+def exact_query(query: QueryParams, allowed: frozenset[str], unknown: str) -> None:
+    """Each parameter of `allowed` at most once, and no other (422 naming each one that is not): a misspelt
+    parameter would otherwise be dropped and a repeated one overridden without a word, and a job made with
+    values its client never meant, as strictly as a JSON body's unknown or repeated fields are refused.
+    `unknown` says why a parameter is not taken."""
+    errors: list[FieldError] = []
+    for name, times in Counter(key for key, _ in query.multi_items()).items():
+        if name not in allowed:
+            near = difflib.get_close_matches(name, allowed, n=1)
+            field = name if len(name) <= MAX_LENGTH else name[:MAX_LENGTH] + "..."
+            hint = f"; did you mean {near[0]}?" if near else ""
+            errors.append({"field": f"query.{field}", "message": unknown + hint})
+        elif times > 1:
+            errors.append({"field": f"query.{name}", "message": f"given {times} times: give it once"})
+    if errors:
+        raise InvalidInput(errors)

@@ -109,3 +109,29 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return problem_response(500, "Internal Server Error", f"unexpected {type(exc).__name__}", "/problems/internal")
+
+
+def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The problem answers a route documents: `codes`, and those every route may give (401, 403, 422, 503)."""
+    text = {
+        400: "Malformed request: a Range header that cannot be read, or a body that is not UTF-8 JSON",
+        401: "Missing or unknown token",
+        403: "Not allowed",
+        404: "Not found",
+        409: "Not allowed in this state",
+        410: "A shard the job recorded is no longer in the output root",
+        413: "Body (or one NDJSON line) too large",
+        415: "Unsupported media type",
+        416: "Range not satisfiable",
+        422: "Invalid input",
+        500: "A shard on disk fails a check on what it holds, or is no longer the file its record describes "
+        "(/problems/shard-damaged)",
+        503: "Database or output root unavailable, every database connection for requests taken for "
+        "--connection-wait-s, or (creation) too many large bodies at once; retry after Retry-After seconds",
+        507: "Not enough room on the output volume",
+    }
+    schema = {"$ref": "#/components/schemas/Problem"}
+    return {
+        c: {"description": text[c], "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}}}
+        for c in (401, 403, 422, 503, *codes)  # 422: every route takes a parameter (see hsx.api.params)
+    }

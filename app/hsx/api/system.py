@@ -7,8 +7,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
+from sqlalchemy.orm import Session
 
-from hsx.api.deps import ReadSessionDep, SettingsDep, WriterDep
+from hsx.api.deps import ProbeDep, ReadSessionDep, SettingsDep, WriterDep
 from hsx.api.problems import PROBLEM_MEDIA_TYPE
 from hsx.config import parse_tokens
 from hsx.extraction import Writer
@@ -20,13 +21,24 @@ router = APIRouter(tags=["health"])
 
 
 @router.api_route(
-    "/healthz", methods=["GET", "HEAD"], response_model=Health, summary="Liveness, database and writer status"
+    "/healthz",
+    methods=["GET", "HEAD"],
+    response_model=Health,
+    summary="Liveness, database and writer status",
+    description="`status` is ok while the database answers, this process's writer (if any) is ready and no "
+    "preparer is failing; `writers` lists each writer with the layer sets its server gives (`layer_sets`) and "
+    "whether it takes a job of the default set (`serves_default`); `warnings` says what keeps jobs waiting "
+    "although the status is ok, such as no ready writer giving the default layer set.",
 )
-def healthz(request: Request, session: ReadSessionDep, writer: WriterDep, settings: SettingsDep) -> Health:
-    db = service.database_status(session=session)
+async def healthz(request: Request, probe: ProbeDep, writer: WriterDep, settings: SettingsDep) -> Health:
     # With --api-tokens, a caller without a token learns whether the service can work, not where it
     # runs: no host, dump root, model server, model or boot id.
     detailed = not settings.api_tokens or getattr(request.state, "role", None) is not None
+    return await probe.run(lambda session: _health(session, writer, detailed))
+
+
+def _health(session: Session, writer: Writer | None, detailed: bool) -> Health:
+    db = service.database_status(session=session)
     status: dict[str, Any] | None = None
     own = _own(writer)
     if writer is not None:
@@ -39,11 +51,21 @@ def healthz(request: Request, session: ReadSessionDep, writer: WriterDep, settin
                 "tokens_per_s": own.tokens_per_s,
                 "preparer": preparer_health(writer.preparer),
             }
-    writers: list[WriterOut] = service.live_writers(session=session, own=own) if db == "ok" else []
+    writers: list[WriterOut] = []
+    warnings: list[str] = []
+    if db == "ok":
+        writers, warnings = service.live_writers(session=session, own=own)
     preparing = writer is None or writer.preparer.state != "failing"
     preparing = preparing and not any(w.preparer is not None and w.preparer.state == "failing" for w in writers)
     ok = db == "ok" and (status is None or status["state"] == "ready") and preparing
-    return Health(status="ok" if ok else "degraded", database=db, writer=status, writers=writers if detailed else [])
+    # Warnings name no host or dump root: a caller without a token may read them.
+    return Health(
+        status="ok" if ok else "degraded",
+        database=db,
+        writer=status,
+        writers=writers if detailed else [],
+        warnings=warnings,
+    )
 
 
 def _own(writer: Writer | None) -> service.OwnWriter | None:
@@ -78,12 +100,17 @@ def workers(session: ReadSessionDep) -> WorkerList:
     "histograms, tokens, samples and bytes staged, shards written, tokens per second. With --api-tokens it "
     "needs a token like any other endpoint (a read token is enough).",
 )
-def metrics(session: ReadSessionDep, writer: WriterDep) -> PlainTextResponse:
+async def metrics(probe: ProbeDep, writer: WriterDep) -> PlainTextResponse:
+    lines = await probe.run(lambda session: _metric_lines(session, writer))
+    return PlainTextResponse("\n".join(lines) + "\n", media_type=METRICS_MEDIA_TYPE)
+
+
+def _metric_lines(session: Session, writer: Writer | None) -> list[str]:
     own = _own(writer)
     lines = service.state_metrics(session=session, own=own)
     if writer is not None and own is not None:
         lines += writer_lines(writer, own.tokens_per_s)
-    return PlainTextResponse("\n".join(lines) + "\n", media_type=METRICS_MEDIA_TYPE)
+    return lines
 
 
 @router.api_route(
@@ -101,6 +128,6 @@ def metrics(session: ReadSessionDep, writer: WriterDep) -> PlainTextResponse:
     description="A client (the dashboard) asks before it offers actions: a read token gets none that would "
     "fail. Without --api-tokens every caller may write.",
 )
-def token_info(request: Request, settings: SettingsDep) -> TokenInfo:
+async def token_info(request: Request, settings: SettingsDep) -> TokenInfo:
     required = bool(parse_tokens(settings.api_tokens))
     return TokenInfo(tokens_required=required, role=getattr(request.state, "role", "write"))

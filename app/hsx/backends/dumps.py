@@ -283,8 +283,12 @@ def validate(
     if dtype not in HIDDEN_STATE_DTYPES:
         raise DumpRejected("wrong_dtype", f"meta dtype {dtype!r} is not bfloat16, float16 or float32")
     layers = [int(i) for i in meta["layers"]]
-    if expect_layers is not None and layers != list(expect_layers):
-        raise DumpRejected("wrong_layers", f"dump captured layers {layers}, expected {list(expect_layers)}")
+    # A server may capture more than a job asks for (keep_layers then keeps only the job's), never less.
+    if expect_layers is not None and not set(expect_layers) <= set(layers):
+        missing = sorted(set(expect_layers) - set(layers))
+        raise DumpRejected(
+            "wrong_layers", f"dump captured layers {layers}, expected {list(expect_layers)} (without {missing})"
+        )
     if expect_hidden is not None and hidden != expect_hidden:
         raise DumpRejected("wrong_shape", f"hidden_size {hidden} != {expect_hidden}")
     if expect_dtype is not None and dtype != expect_dtype:
@@ -310,6 +314,24 @@ def load_staged(d: Path) -> Dump:
     meta = read_meta(d)
     sources = _layer_sources(d, meta)
     return Dump(d, meta, {i: _raw(src) for i, src in sources.items()})
+
+
+def keep_layers(dump: Dump, layers: list[int]) -> Dump:
+    """The staged dump holding only `layers` (each among its own) as far as every reader of it knows: its
+    meta.json lists them, which is all the shard flusher and a restart's `load_staged` read (the other
+    layers' bytes stay in its file until the dump is removed with its shard)."""
+    if [int(i) for i in dump.meta["layers"]] == list(layers):
+        return dump
+    meta = {**dump.meta, "layers": list(layers)}
+    write_meta(dump.path, meta)
+    return Dump(dump.path, meta, {i: dump.layers[i] for i in layers}, dump.key, dump.identity)
+
+
+def write_meta(d: Path, meta: dict[str, Any]) -> None:
+    """A staged dump's meta.json replaced whole (a temporary file renamed over it)."""
+    tmp = d / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    os.replace(tmp, d / "meta.json")
 
 
 def write_dump(dest: Path, meta: dict[str, Any], blocks: list[np.ndarray]) -> None:

@@ -10,7 +10,8 @@ to what one look at its server found (its Capture) and is replaced, never change
 - `limits(server)`: what the server accepts (its longest prompt, its vocabulary) and what it captures,
   for checking submitted samples;
 - `extract(...)`: send one sample and return its validated dump, staged, with its proof (`Dump.identity`);
-- `probe()`: one small request the way samples go, before any sample is spent on the server;
+- `probe()`: one small request the way samples go, before any sample is spent on the server; a server that
+  stops answering at it (its engine died) is ServerDown, with what may kill this engine (`down_hint`);
 - `restarted(before)`: whether the server restarted since an earlier look;
 - `regenerates`: whether the server's /generate can write a conversation's answers anew, a sampling seed
   included (hsx.chat.regenerate);
@@ -30,11 +31,11 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar, cast
 
 from hsx.backends.dumps import Dump, DumpRejected, DumpRoot
-from hsx.backends.http import BackendRejected, HttpBackend
+from hsx.backends.http import BackendRejected, BackendUnavailable, HttpBackend
 from hsx.dtypes import DTYPES, HIDDEN_STATE_DTYPES
 from hsx.identity import Identity
 from hsx.sources import Source
-from hsx.storage.encoding import stored_row_bytes
+from hsx.storage.encoding import encoding_of
 
 DEFAULT_RID_PREFIX = "hsx-"
 # The probe: tokens every vocabulary has, 16 of them: vLLM 0.32's CPU build in bfloat16 lost its worker to
@@ -48,6 +49,15 @@ Read = TypeVar("Read")
 
 class CaptureProblem(Exception):
     """The server cannot give whole per-sample hidden states as it runs; the message says why and what to change."""
+
+
+class ServerDown(BackendUnavailable):
+    """The model server stopped answering during hsx's probe request: its engine died, or the server exited. Not
+    a matter of layers or dump roots: the message says so, and what may kill this engine."""
+
+
+# How long /health is waited for after a failed probe: the server just answered, or has gone.
+HEALTH_AFTER_PROBE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,7 @@ class Limits:
         layers = job_layers or self.layers
         if not layers or not self.hidden_size or self.dtype not in HIDDEN_STATE_DTYPES:
             return None
-        return len(layers) * stored_row_bytes(encoding, DTYPES[self.dtype], self.hidden_size) + 16
+        return len(layers) * encoding_of(encoding).stored_row_bytes(DTYPES[self.dtype], self.hidden_size) + 16
 
 
 def count(value: Any) -> int | None:
@@ -201,19 +211,40 @@ class Engine(ABC):
         """Send one small request the way samples go, before any sample is spent on this server (at start,
         after an outage, after a restart): None when it gave whole hidden states, else why not. A setup that
         refuses every request shows here, as the writer's reason to refuse, instead of as every sample
-        failing. BackendUnavailable passes through."""
+        failing. BackendUnavailable passes through; a server gone after a failed probe is ServerDown."""
         rid = f"{self.capture.rid_prefix}probe-{uuid.uuid4().hex[:12]}"
         expect = Expectation(layers=self.capture.layers)
         try:
             self.extract(PROBE_IDS, rid=rid, staged_name=f"probe/{rid}", expect=expect)
         except BackendRejected as exc:
+            self._raise_if_down(str(exc))
             return f"the model server refuses hsx's requests ({exc}); nothing is sent until that is fixed"
         except DumpRejected as exc:
+            self._raise_if_down(f"{exc.code}: {exc.reason}")
             return f"a probe request gave no usable hidden states ({exc.code}: {exc.reason}){self.probe_hint()}"
         finally:
             shutil.rmtree(self.server.staging / "probe", ignore_errors=True)
         return None
 
+    def _raise_if_down(self, failed: str) -> None:
+        """ServerDown when the server no longer answers /health after the probe `failed`: then the probe's failure
+        says nothing of the layers or the dump root a probe_hint asks about, and the server's log says why."""
+        client = HttpBackend(self.server.url, HEALTH_AFTER_PROBE_S)
+        try:
+            client.health()
+        except (BackendUnavailable, BackendRejected) as exc:
+            raise ServerDown(
+                f"the model server stopped answering during hsx's probe request: its engine died or the server "
+                f"exited (the probe: {failed}; then {exc}); its log says why{self.down_hint()}"
+            ) from None
+        finally:
+            client.close()
+
     def probe_hint(self) -> str:
         """What a failed probe may mean with this server, to follow its reason ("; ..."), or nothing."""
+        return ""
+
+    def down_hint(self) -> str:
+        """What is known to kill this server's engine at a first request, to follow ServerDown's reason ("; ..."),
+        or nothing."""
         return ""

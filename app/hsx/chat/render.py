@@ -24,6 +24,7 @@ import numpy as np
 
 from hsx.chat.formats import ConversationError, Message
 from hsx.chat.pool import ordered_map
+from hsx.chat.prefix import first_tokens
 from hsx.chat.spans import assistant_spans, token_mask, turn_span
 
 # assistant: every assistant turn; all: every token; last_assistant: the last assistant turn only
@@ -44,6 +45,8 @@ class Rendered:
     input_ids: np.ndarray  # int32, one per token
     loss_mask: np.ndarray  # uint8, 1 where the loss applies
     text: str  # what the template rendered, the text the ids tokenize
+    # every token of the text; False: rendered with a limit, the text's first tokens only (more than limit)
+    whole: bool = True
 
 
 class ChatTemplate:
@@ -87,6 +90,8 @@ class ChatTemplate:
             )
         try:
             return cls(tokenizer, folder)
+        except MemoryError:
+            raise
         except Exception as exc:  # the template is a program that came with the model: it may raise anything
             raise ChatTemplateError(
                 f"{folder}: the chat template fails on a two-turn conversation: {type(exc).__name__}: {exc}"
@@ -95,35 +100,39 @@ class ChatTemplate:
     def render(self, messages: list[Message], loss: LossPolicy = "assistant", limit: int | None = None) -> Rendered:
         """The conversation's ids and loss mask. With `limit`, the most tokens the sample may keep, the mask
         is exact for its first limit + 1 tokens (what a length policy reads) and zero after them: the turns
-        past them, which would cost the most to find, are not looked for. Raises ConversationError for a
-        conversation the template refuses or whose assistant turns cannot be found (hsx.chat.spans)."""
+        past them, which would cost the most to find, are not looked for; and a text longer than those tokens
+        need is tokenized only so far (hsx.chat.prefix): its first tokens, more than limit, the ids the
+        whole text's tokenization starts with (`whole` False). Raises ConversationError for a conversation
+        the template refuses or whose assistant turns cannot be found (hsx.chat.spans)."""
         if loss not in LOSS_POLICIES:
             raise ValueError(f"unknown loss policy {loss!r}; expected one of {', '.join(LOSS_POLICIES)}")
         text = self.text(messages, generation_prompt=False)
-        encoded = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+        tokens = first_tokens(self._encode, text, None if limit is None else limit + 1)
+        ids = tokens.ids
         if loss == "all":
             mask = np.ones(len(ids), dtype=np.uint8)
         else:
-            offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+            offsets = tokens.offsets
             # a turn starting at or after the end of token `limit` marks none of the tokens up to it
             before = int(offsets[limit, 1]) if limit is not None and len(offsets) > limit else None
             last_only = loss == "last_assistant"
             spans = assistant_spans(self._render_text, messages, text, last_only=last_only, before=before)
             mask = token_mask(offsets, spans)
-        return Rendered(input_ids=ids, loss_mask=mask, text=text)
+        return Rendered(input_ids=ids, loss_mask=mask, text=text, whole=tokens.whole)
 
-    def continuation(self, messages: list[Message], *, generation_prompt: bool) -> list[int]:
+    def continuation(self, messages: list[Message], *, generation_prompt: bool, limit: int | None = None) -> list[int]:
         """The ids of what the template writes after the last assistant turn of `messages` (after its content
         and end of turn, where hsx.chat.spans ends the turn) through the end of their rendering, with the
         generation prompt if asked; the whole rendering when no assistant turn is there. Regenerated
-        conversations are these pieces with the model's own ids between them (hsx.chat.regenerate)."""
+        conversations are these pieces with the model's own ids between them (hsx.chat.regenerate). With
+        `limit`, a piece longer than that is tokenized only so far: its first ids, more than limit."""
         text = self.text(messages, generation_prompt=generation_prompt)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         start = 0
         if turns:
             _, start = turn_span(self._render_text, messages, text, turns[-1])
-        return list(self._tokenizer(text[start:], add_special_tokens=False)["input_ids"])
+        tokens = first_tokens(self._encode, text[start:], None if limit is None else limit + 1)
+        return [int(i) for i in tokens.ids]
 
     def decode(self, ids: list[int]) -> str:
         """Generated ids as the assistant turn's text: up to the first end-of-turn id, special tokens left out."""
@@ -142,6 +151,8 @@ class ChatTemplate:
             )
         except TemplateError as exc:  # the template's raise_exception(...) among them
             raise ConversationError("messages", f"the chat template refused the conversation: {exc}") from exc
+        except MemoryError:  # the process's memory, not the conversation's fault alone (hsx.chat.process)
+            raise
         except Exception as exc:  # anything else the template's code raised on these messages
             raise ConversationError(
                 "messages", f"the chat template fails on the conversation: {type(exc).__name__}: {exc}"
@@ -150,6 +161,12 @@ class ChatTemplate:
 
     def _render_text(self, messages: list[Message], generation_prompt: bool) -> str:
         return self.text(messages, generation_prompt=generation_prompt)
+
+    def _encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of `text`, tokenized with no special tokens added, and each one's [start, end) characters."""
+        encoded = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+        return ids, np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
 
     @functools.cached_property
     def fingerprint(self) -> str:

@@ -29,6 +29,7 @@ COMMANDS = [
     "hsx.cli.client.delete",
     "hsx.cli.client.manifest",
     "hsx.cli.client.download",
+    "hsx.cli.client.follow",
     "hsx.cli.client.workers",
 ]
 

@@ -11,7 +11,7 @@ from hsx.exports import TARGETS, Option, default_workers
 
 NAME = "export"
 EXTRA = "training"
-HELP = "export a job for SpecForge, vLLM speculators or NVIDIA Model Optimizer training"
+HELP = "export a job for SpecForge, vLLM speculators, NVIDIA Model Optimizer or DeepSpec training"
 
 
 def _layouts() -> str:
@@ -20,7 +20,8 @@ def _layouts() -> str:
 
 
 DESCRIPTION = f"""\
-Write a finished job's hidden states as one file per sample in a training framework's offline layout:
+Write a finished job's hidden states in a training framework's offline layout (one file per sample;
+DeepSpec: one shard per hsx shard, with its index and manifest):
 
 {_layouts()}
 

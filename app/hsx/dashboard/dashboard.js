@@ -338,7 +338,7 @@ function jobPage(id) {
   document.title = `${id} – hsx`;
   const abort = new AbortController();
   const slots = { head: new Slot(), progress: new Slot(), counts: new Slot(), stats: new Slot(), actions: new Slot() };
-  const parts = { plot: new Slot(), retries: new Slot(), failed: new Slot(), files: new Slot() };
+  const parts = { plot: new Slot(), retries: new Slot(), failed: new Slot(), files: new Slot(), readers: new Slot() };
   const section = (key, title, slot) =>
     h("section", { "aria-labelledby": `${key}-title` }, h("h2", { id: `${key}-title` }, title), slot.el);
   main.replaceChildren(
@@ -348,6 +348,7 @@ function jobPage(id) {
     section("retries", "Attempts and retries", parts.retries),
     section("failed", "Failed samples", parts.failed),
     section("files", "Manifest and shards", parts.files),
+    section("readers", "Consumers", parts.readers),
   );
 
   let job = null;
@@ -368,7 +369,10 @@ function jobPage(id) {
     slots.actions.set(actions(j));
     parts.retries.set(retries(j));
     if (j.counts.failed !== seen.failed) loadFailed().catch(failed);
-    if (j.shards_written !== seen.shards) loadFiles().catch(failed);
+    if (j.shards_written !== seen.shards) {
+      loadFiles().catch(failed);
+      loadConsumers().catch(failed);
+    }
     if (!TERMINAL.has(j.state)) plotFinal = false;
     if (!plotData || (TERMINAL.has(j.state) && !plotFinal)) loadPlot().catch(failed);
     seen = { failed: j.counts.failed, shards: j.shards_written };
@@ -413,9 +417,13 @@ function jobPage(id) {
 
   function actions(j) {
     if (access.role !== "write") return h("div");
-    const retry = j.counts.failed > 0 && !["cancelling", "cancelled"].includes(j.state);
+    // A retry queues again what the job has not stored: its failed samples, and once it is cancelled the
+    // ones the cancel left unrun, so a cancelled job goes on from where it stopped.
+    const resume = j.state === "cancelled";
+    const n = j.counts.failed + (resume ? j.counts.cancelled : 0);
+    const retry = n > 0 && j.state !== "cancelling";
     const cancel = ["queued", "running"].includes(j.state);
-    const n = j.counts.failed;
+    const plural = n === 1 ? "" : "s";
     return h(
       "div",
       { class: "actions" },
@@ -426,9 +434,11 @@ function jobPage(id) {
             type: "button",
             class: "primary",
             "data-focus": "retry",
-            onclick: () => act("retry", `${n} failed sample${n === 1 ? "" : "s"} queued again.`),
+            onclick: () => act("retry", `${n} sample${plural} queued again.`),
           },
-          `Retry ${fmt.count(n)} failed sample${n === 1 ? "" : "s"}`,
+          resume
+            ? `Resume: run ${fmt.count(n)} sample${plural} not stored`
+            : `Retry ${fmt.count(n)} failed sample${plural}`,
         ),
       cancel &&
         h(
@@ -534,7 +544,13 @@ function jobPage(id) {
       h(
         "tr",
         {},
-        cell("Shard", fileLink(jobPath(id, "shards", s.name), s.name, s.name)),
+        cell("Seq", fmt.count(s.seq)),
+        cell(
+          "Shard",
+          s.deleted
+            ? h("span", { class: "muted" }, `${s.name} (deleted: read by every consumer)`)
+            : fileLink(jobPath(id, "shards", s.name), s.name, s.name),
+        ),
         cell("Samples", fmt.count(s.num_samples)),
         cell("Tokens", fmt.count(s.num_tokens)),
         cell("Size", fmt.bytes(s.bytes)),
@@ -552,8 +568,39 @@ function jobPage(id) {
           " – every shard with its sha256, and where each sample lies.",
         ),
         rows.length
-          ? table("Shards", ["Shard", "Samples", "Tokens", "Size", "sha256"], rows)
+          ? table("Shards, in the order recorded", ["Seq", "Shard", "Samples", "Tokens", "Size", "sha256"], rows)
           : h("p", { class: "muted" }, "No shard written yet."),
+        shards.has_more &&
+          h("p", { class: "muted" }, `The first ${fmt.count(rows.length)} of ${fmt.count(shards.committed)} shards.`),
+      ),
+    );
+  }
+
+  async function loadConsumers() {
+    const consumers = await api(jobPath(id, "consumers"), { signal: abort.signal });
+    const options = (job && job.options) || {};
+    const limit = options.max_unread_bytes ? `, at most ${fmt.bytes(options.max_unread_bytes)} unread at a time` : "";
+    const retention =
+      options.retention === "acked" ? "a shard is deleted once every consumer has read it" : "every shard is kept";
+    const rows = consumers.data.map((c) =>
+      h(
+        "tr",
+        {},
+        cell("Consumer", c.name),
+        cell("Read to seq", fmt.count(c.read_seq)),
+        cell("Ranks", c.world_size ? `${c.ranks.length} of ${c.world_size} acknowledged` : "none yet"),
+        cell("Lag (shards)", fmt.count(c.lag_shards)),
+        cell("Lag (bytes)", fmt.bytes(c.lag_bytes)),
+      ),
+    );
+    parts.readers.set(
+      h(
+        "div",
+        {},
+        h("p", {}, `Retention: ${retention}${limit}.`),
+        rows.length
+          ? table("Consumers", ["Consumer", "Read to seq", "Ranks", "Lag (shards)", "Lag (bytes)"], rows)
+          : h("p", { class: "muted" }, "No consumer: trainers that follow the job under a consumer name show here."),
       ),
     );
   }
@@ -575,6 +622,7 @@ function jobPage(id) {
       }
     }
     if (job && !plotFinal) await loadPlot();
+    if (job) await loadConsumers();
   });
   return () => {
     abort.abort();
@@ -671,6 +719,10 @@ function stats(j) {
     item("Created", fmt.when(j.created_at)),
     item("Started", fmt.when(j.started_at)),
     item("Finished", fmt.when(j.finished_at)),
+    // From its creation; preparing (conversations rendered and regenerated) and extracting apart, as they overlap.
+    item("Elapsed", fmt.duration(j.elapsed_s)),
+    j.preparing_s != null && item("Preparing", fmt.duration(j.preparing_s)),
+    item("Extracting", fmt.duration(j.extracting_s)),
     item("Shards written", fmt.count(j.shards_written)),
     item("Estimated size", fmt.bytes(j.estimated_bytes)),
     item(
@@ -719,6 +771,7 @@ function workersPage() {
               `source: ${w.server.source}${w.server.name_by ? `, names by ${w.server.name_by}` : ""}`,
             ),
         ),
+        cell("Layers", ...layersOf(w)),
         cell("State", badge(w.state), w.reason && h("div", { class: "note" }, w.reason)),
         cell("Heartbeat", h("span", { title: w.heartbeat_at }, fmt.ago(w.heartbeat_at))),
         cell("Rate", fmt.rate(w.tokens_per_s)),
@@ -729,8 +782,9 @@ function workersPage() {
         "div",
         {},
         h("p", {}, "Service: ", badge(health.status), " database: ", h("span", { class: "mono" }, health.database)),
+        (health.warnings || []).map((w) => h("p", { class: "note", role: "status" }, `Warning: ${w}`)),
         rows.length
-          ? table("Writers", ["Writer", "Model server", "State", "Heartbeat", "Rate"], rows)
+          ? table("Writers", ["Writer", "Model server", "Layers", "State", "Heartbeat", "Rate"], rows)
           : h(
               "p",
               { class: "note" },
@@ -754,6 +808,22 @@ function workersPage() {
       ),
     );
   });
+}
+
+// The layer sets a writer's server gives (a job asking for one runs there), its layers when it gives no named
+// set, and a note when it cannot take a job of the default set: such jobs wait although it is ready.
+function layersOf(w) {
+  const sets = w.layer_sets || [];
+  const layers = w.server?.layers;
+  return [
+    sets.length
+      ? h("span", { class: "mono" }, sets.join(", "))
+      : layers
+        ? h("span", { class: "mono" }, `[${layers.join(", ")}]`)
+        : "–",
+    w.serves_default === false &&
+      h("div", { class: "note" }, "Not the default layers (eagle3): jobs must name one of these to run here."),
+  ];
 }
 
 // After a move to another page, keyboard and screen reader users start at its content.

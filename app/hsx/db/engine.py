@@ -17,12 +17,22 @@ READONLY = "hsx_readonly"
 MIGRATIONS_DIR = Path(hsx.migrations.__file__).resolve().parent
 
 
-def make_engine(url: str, *, idle_in_transaction_s: float | None = None) -> Engine:
-    """`idle_in_transaction_s` (Postgres): the server ends a session that sits inside a transaction
+# An engine keeps up to POOL_SIZE connections open and opens up to MAX_OVERFLOW more while they are all in
+# use, on both databases: CONNECTIONS at once in all. The API counts its requests' use against it
+# (hsx.api.admission), so that none waits on the pool.
+POOL_SIZE = 10
+MAX_OVERFLOW = 10
+CONNECTIONS = POOL_SIZE + MAX_OVERFLOW
+
+
+def make_engine(url: str, *, connections: int = CONNECTIONS, idle_in_transaction_s: float | None = None) -> Engine:
+    """An engine of at most `connections` connections (the first POOL_SIZE of them kept open).
+    `idle_in_transaction_s` (Postgres): the server ends a session that sits inside a transaction
     for longer, releasing its row locks. A writer sets it below its lease: a writer process that is
     paused or cut off in the middle of a transaction must not hold up the others' claims and
     heartbeats until its connection dies."""
     parsed = make_url(url)
+    pool = {"pool_size": min(connections, POOL_SIZE), "max_overflow": max(0, connections - POOL_SIZE)}
     if parsed.get_backend_name() != "sqlite":
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
@@ -30,11 +40,13 @@ def make_engine(url: str, *, idle_in_transaction_s: float | None = None) -> Engi
         if idle_in_transaction_s is not None:
             ms = max(1, int(idle_in_transaction_s * 1000))
             connect_args["options"] = f"-c idle_in_transaction_session_timeout={ms}"
-        return create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=10, connect_args=connect_args)
+        return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args, **pool)
 
-    if parsed.database and parsed.database != ":memory:":
+    memory = parsed.database in (None, "", ":memory:")
+    if parsed.database and not memory:
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 60})
+    # SQLAlchemy keeps an in-memory database in one connection per thread, a pool that takes no sizes.
+    engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 60}, **({} if memory else pool))
 
     @event.listens_for(engine, "connect")
     def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

@@ -15,6 +15,7 @@ from sqlalchemy import (
     BigInteger,
     DateTime,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     LargeBinary,
@@ -45,6 +46,9 @@ class JobRow(Base):
     # what the job ran without that it asked for (a sampling seed its server ignored); NULL: nothing
     warning: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # When its last conversation left `preparing` (rendered, and regenerated when the job asks); NULL for a
+    # job of token ids, and while conversations wait to be prepared.
+    prepared_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -83,6 +87,13 @@ class JobRow(Base):
     # kept in step like the state counters, so that a job says what waits for another attempt.
     n_requeued: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     shards_written: Mapped[int] = mapped_column(Integer, default=0)
+    # The commit feed: shards recorded so far, each numbered in the order recorded (ShardRow.seq).
+    shards_committed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Back-pressure (JobOptions.max_unread_bytes, NULL: none): writers claim none of its samples while the
+    # bytes of its recorded shards some consumer has not read (unread_bytes, kept as shards are recorded
+    # and consumers acknowledge) plus its staged bytes reach it.
+    max_unread_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    unread_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     __table_args__ = (Index("ix_jobs_state", "state"),)
 
@@ -123,6 +134,8 @@ class SampleRow(Base):
         UniqueConstraint("job_id", "idx", name="uq_samples_job_idx"),
         Index("ix_samples_job_state_idx", "job_id", "state", "idx"),
         Index("ix_samples_writer_state", "writer", "state"),
+        # a shard's samples, for the commit feed
+        Index("ix_samples_job_shard", "job_id", "shard"),
         # The database's half of the single-writer rule: one running sample per dump root.
         Index(
             "ux_samples_one_running_per_writer",
@@ -181,8 +194,48 @@ class ShardRow(Base):
     # Per captured layer ("<i>": hsx.storage.encoding.LayerStats), what the job's encoding stored: raw
     # and stored bytes, and for fp8 the errors; the manifest adds them up. NULL: a raw shard.
     layer_stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Its place in the job's commit feed: 1, 2, ... in the order shards are recorded, without gaps.
+    seq: Mapped[int] = mapped_column(Integer)
+    # When retention deleted its file, every consumer having read it; the record stays. NULL: on disk.
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
-    __table_args__ = (UniqueConstraint("job_id", "name", name="uq_shards_job_name"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "name", name="uq_shards_job_name"),
+        UniqueConstraint("job_id", "seq", name="uq_shards_job_seq"),
+    )
+
+
+class ConsumerRow(Base):
+    """A named reader of a job's shards (a trainer, however many ranks it has): what it acknowledged
+    decides which shards retention may delete and how much the job may extract ahead of it."""
+
+    __tablename__ = "job_consumers"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ConsumerAckRow(Base):
+    """One rank's last acknowledged position in a job's feed: every shard up to `seq` read in epoch
+    `epoch` of `epochs`. A consumer's ranks all say the same world_size."""
+
+    __tablename__ = "job_consumer_acks"
+
+    job_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    consumer: Mapped[str] = mapped_column(String(200), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    world_size: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(Integer)
+    epochs: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    acked_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["job_id", "consumer"], ["job_consumers.job_id", "job_consumers.name"], ondelete="CASCADE"
+        ),
+    )
 
 
 class ThroughputRow(Base):

@@ -1,6 +1,6 @@
 """Exports of a job's hidden states into training frameworks' own offline layouts.
 
-One module per target (specforge, speculators, modelopt) plus `base` (refusal, resume, the record),
+One module per target (specforge, speculators, modelopt, deepspec) plus `base` (refusal, resume, the record),
 `rows` (a sample's rows over the mapped shard) and `writing` (chunks, worker processes). TARGETS is the
 one list of targets: each one's exporter class, what it writes and the options its exporter takes, from
 which `hsx export` builds its subcommands and flags. This package imports nothing heavy itself;
@@ -57,9 +57,16 @@ COMMON = (
     ),
     Option(
         "aux_layers",
-        "aux layers in hsx numbering (default: the target's EAGLE-3 convention, [2, L//2, L-3])",
+        "aux layers in hsx numbering (default: the target's convention: EAGLE-3's [2, L//2, L-3]; deepspec: "
+        "the dflash set's taps)",
         layers_arg,
         metavar="I,J,K",
+    ),
+    Option(
+        "layer_set",
+        "a named layer set the job captured (the manifest's layer_sets: eagle3, dflash, ...): its layers but L "
+        "as the aux layers, L as the last; a set the job did not capture is refused, nothing written",
+        metavar="NAME",
     ),
 )
 
@@ -105,6 +112,20 @@ TARGETS = {
         "hsx.exports.modelopt.ModelOptExporter",
         "NVIDIA Model Optimizer offline EAGLE (OfflineSupervisedDataset)",
         "<sample id>.pt  (input_ids, hidden_states [T,H], aux_hidden_states [T,3H], loss_mask)",
+    ),
+    "deepspec": Target(
+        "hsx.exports.deepspec.DeepSpecExporter",
+        "DeepSpec's target cache, version 2 (CacheDataset: DFlash, DSpark, EAGLE-3)",
+        "shard-<k>.bin + samples.idx + manifest.json  (input_ids int32, attention_mask, loss_mask uint8, "
+        "target_hidden_states [T,n*H], target_last_hidden_states [T,H], bfloat16; taps: --layer-set, default dflash)",
+        (
+            Option(
+                "target_model",
+                "the manifest's target_model_name_or_path, which DeepSpec's training checks against its config's "
+                "(default: the model path the job's manifest records)",
+                metavar="NAME",
+            ),
+        ),
     ),
 }
 

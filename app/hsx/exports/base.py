@@ -80,6 +80,24 @@ def require_post_norm_last(job: StoredJob, target: str, last: int) -> None:
         )
 
 
+def layer_set_aux(
+    job: StoredJob, target: str, layer_set: str | None, aux_layers: list[int] | None, num_layers: int
+) -> list[int] | None:
+    """The aux layers of the named set asked for (its layers but the last, L), or `aux_layers` as given;
+    ExportRefused, before anything is written, for a set the job did not capture, naming those it did."""
+    if layer_set is None:
+        return aux_layers
+    if aux_layers is not None:
+        raise ExportRefused("give --layer-set or --aux-layers, not both")
+    try:
+        aux, last = job.manifest.layer_set(layer_set)
+    except ValueError as exc:
+        raise ExportRefused(f"{target}: {exc}") from None
+    if last != num_layers:
+        raise ExportRefused(f"layer set {layer_set} ends at layer {last}, and the model has {num_layers} layers")
+    return aux
+
+
 def require_layers(job: StoredJob, target: str, wanted: list[int], what: str) -> None:
     missing = [i for i in wanted if i not in job.layers]
     if missing:

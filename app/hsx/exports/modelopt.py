@@ -32,6 +32,7 @@ from hsx.exports.base import (
     Exporter,
     ExportRefused,
     PlannedFile,
+    layer_set_aux,
     require_layers,
     require_num_layers,
     require_post_norm_last,
@@ -60,9 +61,17 @@ def file_stem(sample_id: object) -> str:
 class ModelOptExporter(Exporter):
     target = "modelopt"
 
-    def __init__(self, job: StoredJob, *, num_layers: int | None = None, aux_layers: list[int] | None = None):
+    def __init__(
+        self,
+        job: StoredJob,
+        *,
+        num_layers: int | None = None,
+        aux_layers: list[int] | None = None,
+        layer_set: str | None = None,
+    ):
         super().__init__(job)
         self.num_layers = require_num_layers(job, num_layers)
+        aux_layers = layer_set_aux(job, self.target, layer_set, aux_layers, self.num_layers)
         if aux_layers is None:
             self.aux_layers = [i + 1 for i in modelopt_default_aux_ids(self.num_layers)]
         else:

@@ -26,8 +26,8 @@ class SampleRows:
     def __init__(self, shard: MappedShard, entry: ManifestSample):
         self.shard = shard
         self.entry = entry
-        self.start = entry.offset
-        self.stop = entry.offset + entry.num_tokens
+        # where the shard itself places the sample (a ShardError where the manifest says otherwise)
+        self.start, self.stop = shard.place(entry.id, entry.offset, entry.num_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from hsx.exports.base import (
     Exporter,
     ExportRefused,
     PlannedFile,
+    layer_set_aux,
     require_layers,
     require_num_layers,
     require_post_norm_last,
@@ -48,12 +49,14 @@ class SpecForgeExporter(Exporter):
         *,
         num_layers: int | None = None,
         aux_layers: list[int] | None = None,
+        layer_set: str | None = None,
         group_size: int = DEFAULT_GROUP_SIZE,
     ):
         super().__init__(job)
         if group_size < 1:
             raise ExportRefused(f"group size must be positive, got {group_size}")
         self.num_layers = require_num_layers(job, num_layers)
+        aux_layers = layer_set_aux(job, self.target, layer_set, aux_layers, self.num_layers)
         self.aux_layers = list(aux_layers) if aux_layers is not None else eagle3_aux_layers(self.num_layers)
         if len(self.aux_layers) != 3 or len(set(self.aux_layers)) != 3:
             raise ExportRefused(f"SpecForge's EAGLE-3 takes exactly three distinct aux layers, got {self.aux_layers}")

@@ -42,23 +42,25 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from hsx.exports.base import Exporter, ExportRefused, PlannedFile, require_layers, require_num_layers
+from hsx.exports.base import (
+    Exporter,
+    ExportRefused,
+    PlannedFile,
+    layer_set_aux,
+    require_layers,
+    require_num_layers,
+)
 from hsx.exports.rows import SampleRows, fill_side_by_side
 from hsx.layers import eagle3_aux_layers, layer_key
 from hsx.manifest import ManifestSample
 from hsx.storage import fp8
 from hsx.storage.atomic import atomic_file
+from hsx.storage.checkpoint import NORM_KEYS
+from hsx.storage.encoding import encoding_of
 from hsx.storage.safetensors_raw import encode_header
 from hsx.training.reader import ShardReader, StoredJob
 
 SAMPLES_NAME = "hsx_samples.jsonl"
-NORM_KEYS = (
-    "model.norm.weight",
-    "model.language_model.norm.weight",
-    "language_model.model.norm.weight",
-    "model.model.norm.weight",
-    "norm.weight",
-)
 RMS_TOLERANCE = 0.02
 # transformers model types whose RMS norm scales by 1 + weight (their weights are stored centred on 0).
 ONE_PLUS_WEIGHT_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next"})
@@ -115,19 +117,21 @@ class SpeculatorsExporter(Exporter):
         *,
         num_layers: int | None = None,
         aux_layers: list[int] | None = None,
+        layer_set: str | None = None,
         final_norm_weight: str | Path | None = None,
         final_norm_key: str | None = None,
         final_norm_offset: float | None = None,
         fp8: bool = False,
     ):
         super().__init__(job)
-        if fp8 and job.manifest.encoding != "fp8":
+        if fp8 and not encoding_of(job.manifest.encoding).fp8_codes:
             raise ExportRefused(
                 f"fp8 carries the codes an fp8 job stored; this job's encoding is {job.manifest.encoding}: "
                 "export it without --fp8"
             )
         self.fp8 = fp8
         self.num_layers = require_num_layers(job, num_layers)
+        aux_layers = layer_set_aux(job, self.target, layer_set, aux_layers, self.num_layers)
         self.aux_layers = list(aux_layers) if aux_layers is not None else eagle3_aux_layers(self.num_layers)
         aux = self.aux_layers
         if not aux or self.num_layers in aux or len(set(aux)) != len(aux):

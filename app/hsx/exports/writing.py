@@ -26,6 +26,7 @@ import torch
 from hsx.dtypes import DTYPES
 from hsx.exports.rows import SampleRows
 from hsx.storage.atomic import FileBatch
+from hsx.storage.errors import ShardError
 from hsx.storage.mapped import MappedShards
 
 if TYPE_CHECKING:
@@ -64,9 +65,12 @@ def write_chunk(exporter: Exporter, out_dir: Path, chunk: Chunk, shards: MappedS
     try:
         for p in chunk:
             entry = exporter.job.samples[p.index]
-            rows = SampleRows(shards.get(entry.shard), entry)
-            with batch.file(out_dir / p.rel_path) as f:
-                exporter.encode(f, rows, entry, p)
+            try:
+                rows = SampleRows(shards.get(entry.shard), entry)
+                with batch.file(out_dir / p.rel_path) as f:
+                    exporter.encode(f, rows, entry, p)
+            except ShardError as exc:
+                raise exc.at(shard=shards.job_dir / entry.shard, sample=entry.id) from None
     except BaseException:
         batch.discard()
         raise

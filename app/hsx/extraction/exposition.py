@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from hsx.extraction.metrics import label
+from hsx.matching import layer_sets, serves_default
 
 if TYPE_CHECKING:
     from hsx.extraction.preparer import PreparerHealth
@@ -88,6 +89,10 @@ def writer_health(writer: Writer) -> tuple[int, dict[str, Any]]:
             "since": datetime.fromtimestamp(status.since, timezone.utc).isoformat(),
             "tokens_per_s": writer.metrics.tokens_per_second(),
             "preparer": preparer_health(writer.preparer),
+            # Which jobs it can take, beside whether it is healthy: a ready writer of other layers than the
+            # default set is healthy, and jobs that do not name their layers still wait for another.
+            "layer_sets": layer_sets(status.server),
+            "serves_default": serves_default(status.server),
         },
     }
     return (200 if healthy else 503), body

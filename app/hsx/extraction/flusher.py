@@ -63,6 +63,7 @@ from hsx.extraction.staged import Batch, Staged, StagedSamples
 from hsx.manifest import job_dir
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.atomic import fsync_path
+from hsx.storage.encoding import encoding_of
 from hsx.storage.shards import NonFiniteSamples, ShardSample, shard_name, write_shard
 
 log = logging.getLogger("hsx.writer")
@@ -339,7 +340,7 @@ class ShardFlusher:
                 # the job's encoding (JobOptions.encoding), off the request loops' path: this flusher reads
                 # and checks the blocks, the encoding threads encode them
                 encoding=encoding,
-                encoders=None if encoding == "raw" else encoder_pool(),
+                encoders=encoder_pool() if encoding_of(encoding).encoded else None,
             )
         except NonFiniteSamples as exc:
             # Only those samples failed: their attempts say why, the others wait for the next shard.

@@ -8,10 +8,10 @@ The tokenizer is the job's `tokenizer` folder, or the model path the server repo
 cannot be loaded fails the job, saying why.
 
 Templates run in a process of their own (hsx.chat.process): a render is bounded by
---prepare-timeout, stopped when its job is cancelled or the writer stops, and whatever a template
-raises fails that sample alone. A batch whose store fails is stored sample by sample, so that one
-sample the database refuses fails alone and never holds the others. What the preparer last did
-(`health`) shows in /healthz and /metrics: a preparer that keeps failing is not `ok`.
+--prepare-timeout-s and --prepare-max-mb, stopped when its job is cancelled or the writer stops, and
+whatever a template raises fails that sample alone. A batch whose store fails is stored sample by
+sample, so that one sample the database refuses fails alone and never holds the others. What the
+preparer last did (`health`) shows in /healthz and /metrics: a preparer that keeps failing is not `ok`.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class Preparer:
         self.finisher = finisher
         self.queued = queued  # wakes the request loops once samples are queued
         self.stop = stop
-        self.templates = TemplateProcess(timeout_s=settings.prepare_timeout_s)
+        self.templates = TemplateProcess(timeout_s=settings.prepare_timeout_s, max_mb=settings.prepare_max_mb)
         self._facts: OrderedDict[str, TemplateFacts] = OrderedDict()
         self.health = PreparerHealth()
 
@@ -199,7 +199,7 @@ class Preparer:
         except RenderFailed as exc:
             if exc.code == "aborted":
                 return None
-            reason = f"tokenizer: the chat template could not be loaded: {exc}"
+            reason = f"tokenizer: the chat template could not be loaded: {exc}{_bound(exc)}"
         except ChatTemplateError as exc:
             reason = f"tokenizer: cannot render conversations with it: {exc}"
         else:
@@ -275,7 +275,8 @@ class Preparer:
         ids, mask = rendered.input_ids, rendered.loss_mask
         truncated_from = None
         if limit is not None and n > limit:
-            why = f"too_long: {n} tokens exceed {which} of {limit}"
+            # A render with a limit tokenizes a long text only so far (hsx.chat.prefix): n is then a floor.
+            why = f"too_long: {n if rendered.whole else f'at least {n}'} tokens exceed {which} of {limit}"
             if options.length_policy == "skip":
                 return repo.Prepared(pk, SampleState.SKIPPED, reason=why, conversation=conversation)
             if options.length_policy == "reject":
@@ -352,7 +353,8 @@ class Preparer:
             return repo.Prepared(item.pk, SampleState.FAILED, reason=f"tokenizer: {exc}")
         except (RegenerationError, httpx.HTTPError, ValueError, KeyError) as exc:
             return repo.Prepared(item.pk, SampleState.FAILED, reason=f"regenerate: {type(exc).__name__}: {exc}")
-        rendered = RenderedIds(new.input_ids, new.loss_mask)
+        # Generation, and the template's pieces, stop once the sample is over the limit: its count is a floor.
+        rendered = RenderedIds(new.input_ids, new.loss_mask, whole=limit is None or len(new.input_ids) <= limit)
         return self._fitted(item.pk, rendered, options, conversation=json.dumps(new.messages))
 
     def _store(self, job_id: str, results: list[repo.Prepared]) -> None:
@@ -396,7 +398,9 @@ class _ProcessRenderer:
         self.stop_ids, self.end_of_turn = facts.stop_ids, facts.end_of_turn
         self._lock = asyncio.Lock()
 
-    async def continuation(self, messages: list[Message], *, generation_prompt: bool) -> list[int]:
+    async def continuation(
+        self, messages: list[Message], *, generation_prompt: bool, limit: int | None = None
+    ) -> list[int]:
         async with self._lock:
             return await asyncio.to_thread(
                 self.templates.continuation,
@@ -404,6 +408,7 @@ class _ProcessRenderer:
                 messages,
                 generation_prompt=generation_prompt,
                 abort=self.abort,
+                limit=limit,
             )
 
     async def decode(self, ids: list[int]) -> str:
@@ -437,8 +442,13 @@ def _invalid(pk: int, exc: ConversationError, options: JobOptions) -> repo.Prepa
 
 
 def _failed(pk: int, exc: RenderFailed) -> repo.Prepared:
-    code = "prepare_timeout" if exc.code == "timeout" else "prepare_failed"
-    return repo.Prepared(pk, SampleState.FAILED, reason=f"{code}: {exc.message}")
+    code = {"timeout": "prepare_timeout", "memory": "prepare_memory"}.get(exc.code, "prepare_failed")
+    return repo.Prepared(pk, SampleState.FAILED, reason=f"{code}: {exc.message}{_bound(exc)}")
+
+
+def _bound(exc: RenderFailed) -> str:
+    """The setting behind a render stopped at its memory bound, for the operator who reads the reason."""
+    return "; --prepare-max-mb sets that bound" if exc.code == "memory" else ""
 
 
 def _queued(

@@ -21,8 +21,9 @@ import time
 import numpy as np
 from sqlalchemy.orm import Session
 
-from hsx.backends.dumps import Dump, DumpRejected
+from hsx.backends.dumps import Dump, DumpRejected, keep_layers
 from hsx.backends.engine import Engine, Expectation
+from hsx.backends.final_norm import FinalNorm
 from hsx.backends.http import BackendRejected, BackendUnavailable
 from hsx.config import Settings
 from hsx.db import repository as repo
@@ -33,8 +34,9 @@ from hsx.extraction.lease import Lease
 from hsx.extraction.metrics import WriterMetrics
 from hsx.extraction.server_watch import ServerWatch
 from hsx.extraction.status import StatusReport
-from hsx.layers import LAYER_SETS
+from hsx.layers import Wanted, choice_parts, resolve
 from hsx.matching import Serves
+from hsx.storage.safetensors_raw import TensorSpan
 
 log = logging.getLogger("hsx.writer")
 
@@ -114,7 +116,7 @@ class RequestLoop:
         if not self.flusher.wait_for_room():
             return False
         self.report.set("ready")
-        serves = Serves.of(self.server.layers, self.server.model_info)
+        serves = self.server.serves()
         claimed = self.db.run(lambda s: repo.claim_next(s, self.slot_identity(slot), serves))
         if claimed is None:
             if slot == 0:
@@ -147,16 +149,27 @@ class RequestLoop:
         ids = np.frombuffer(c.input_ids, dtype="<i4").tolist()
         rid = f"{engine.capture.rid_prefix}{c.job_id}-{c.idx}-t{c.try_number}"
         info = c.job_model_info or {}
+        try:
+            wanted = self._wanted(c.job_layers_key)
+        except ValueError as exc:
+            # Claimed by a worker whose server does not say its layers (it may claim any job): this model
+            # cannot give the job's sets, which no attempt here can change.
+            self._failed(c, f"wrong_layers: {exc}")
+            return None
         expect = Expectation(
-            layers=info.get("layers", c.job_layers or self._set_layers(c.job_layers_key)),
+            layers=info.get("layers", c.job_layers or (wanted.layers if wanted is not None else None)),
             hidden_size=info.get("hidden_size"),
             dtype=info.get("dtype"),
         )
+        norm = self._norm_needed(wanted)
         started = time.monotonic()
         dump = self._extract(c, engine, ids, rid=rid, expect=expect)
         if dump is None:
             return None
         self.metrics.backend_latency(time.monotonic() - started)
+        dump = self._as_stored(c, dump, expect.layers, norm)
+        if dump is None:
+            return None
         meta = dump.meta
         model = dict(
             self.server.model_info,
@@ -164,6 +177,8 @@ class RequestLoop:
             hidden_size=int(meta["hidden_size"]),
             dtype=meta["dtype"],
         )
+        if norm is not None:
+            model.update(final_layer="post_norm", final_norm=norm.describe())
 
         def stage(s: Session) -> int | None:
             if c.job_model_info is None and repo.set_job_model_info(s, c.job_id, model, serves) != model:
@@ -235,12 +250,46 @@ class RequestLoop:
         )
         log.info("sample %s/%s attempt %d: %s (%s)", c.job_id, c.sample_id, c.attempt, reason, outcome)
 
-    def _set_layers(self, key: str | None) -> list[int] | None:
-        """The layers a job asking for a named set needs from this worker's model (its dumps are checked
-        against them); None for a job that asks for any."""
-        chosen = LAYER_SETS.get(key or "")
+    def _wanted(self, key: str | None) -> Wanted | None:
+        """What a job asking for sets (with any ids) needs of this worker's model; None for a job that asks
+        for a list of layers or for any (its list, or its first sample's layers, is the expectation), and
+        where the server does not say the model's depth."""
         num_layers = self.server.model_info.get("num_hidden_layers")
-        return chosen.layers(num_layers) if chosen is not None and isinstance(num_layers, int) else None
+        if key is None or not choice_parts(key)[0] or not isinstance(num_layers, int):
+            return None
+        return resolve(key, num_layers)  # ValueError: the job's sets do not fit this model
+
+    def _norm_needed(self, wanted: Wanted | None) -> FinalNorm | None:
+        """The final norm hsx applies to the job's layer L: where its sets read L after the norm and the
+        server gives it before."""
+        num_layers = self.server.model_info.get("num_hidden_layers")
+        if wanted is None or wanted.final_layer != "post_norm" or num_layers not in wanted.layers:
+            return None
+        if (self.server.model_info.get("final_layer") or "post_norm") == "post_norm":
+            return None
+        return self.server.final_norm
+
+    def _as_stored(self, c: repo.Claimed, dump: Dump, layers: list[int] | None, norm: FinalNorm | None) -> Dump | None:
+        """The staged dump as the job stores it: only the layers it asks for, and layer L after the model's
+        final norm where hsx applies it (rewritten in place, before the sample is staged, so a staged
+        sample's files are always what its shard will hold). None when that failed, its outcome recorded."""
+        try:
+            dump = keep_layers(dump, layers) if layers is not None else dump
+            if norm is not None:
+                num_layers = self.server.model_info["num_hidden_layers"]
+                span = dump.layers[num_layers]
+                if not isinstance(span, TensorSpan):
+                    raise DumpRejected("wrong_layers", f"layer {num_layers} is not in a safetensors file to norm")
+                norm.apply_in_place(span)
+        except DumpRejected as exc:
+            shutil.rmtree(dump.path, ignore_errors=True)
+            self._failed(c, f"{exc.code}: {exc.reason}")
+            return None
+        except OSError as exc:
+            shutil.rmtree(dump.path, ignore_errors=True)
+            self._failed(c, f"internal_error: staging the dump: {exc}")
+            return None
+        return dump
 
     def _sweep(self, engine: Engine) -> None:
         """Remove what requests that were never read left in the root (their answer lost to a

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsx.backends import discover
-from hsx.backends.engine import CaptureProblem, Engine, Limits, Server
+from hsx.backends.engine import Capture, CaptureProblem, Engine, Limits, Server, ServerDown
+from hsx.backends.final_norm import FinalNorm, NormUnavailable, load_final_norm
 from hsx.backends.http import BackendRejected, BackendUnavailable
 from hsx.config import Settings
 from hsx.extraction.backoff import Backoff
@@ -46,6 +47,10 @@ class ServerWatch:
         self._last: Engine | None = None  # the engine the last check found, usable or not: restarts show against it
         self.model_info: dict[str, Any] = {}
         self.layers: list[int] | None = None  # the layers the server captures; None: not said
+        # The model's final norm, where the server gives layer L before it and hsx can apply it (jobs that
+        # read L after the norm are then served here too), or why hsx cannot.
+        self.final_norm: FinalNorm | None = None
+        self.final_norm_problem: str | None = None
         self.limits = Limits()  # what the server accepts, as last found ready
         self.backoff = Backoff()
         # The weakest proof of identity among the dumps taken from this server (hsx.identity), or
@@ -53,6 +58,9 @@ class ServerWatch:
         self.identity: Identity | None = None
         self._observed = False  # whether `identity` comes from a dump taken, not from what the server says
         self._outage = False
+        # Why the server went down at hsx's last probe (ServerDown), said with every "not ready" until a probe
+        # gets through: the server's absence alone would hide that its engine died at hsx's request.
+        self._down: str | None = None
         self._checked_at = 0.0
         self._lock = threading.Lock()
         self._identity_lock = threading.Lock()  # not _lock: a check, which holds that, notes what the server says
@@ -60,6 +68,10 @@ class ServerWatch:
     @property
     def usable(self) -> bool:
         return self.engine is not None
+
+    def serves(self) -> Serves:
+        """What the server as last checked gives, for claiming jobs (hsx.matching)."""
+        return Serves.of(self.layers, self.model_info, converts=self.final_norm is not None)
 
     @property
     def applies_seed(self) -> bool:
@@ -137,7 +149,8 @@ class ServerWatch:
             engine = discover(self.server, self.settings.source, after_outage=self._outage)
         except (BackendUnavailable, BackendRejected) as exc:
             self.lost()
-            return ServerVerdict("waiting", f"model server not ready: {exc}")
+            down = f" (it went away at hsx's last probe: {self._down})" if self._down else ""
+            return ServerVerdict("waiting", f"model server not ready: {exc}{down}")
         except CaptureProblem as exc:
             self.engine = None
             return ServerVerdict("refusing", str(exc))
@@ -156,42 +169,29 @@ class ServerWatch:
         self.layers = capture.layers
         self.proved(capture.identity, said=True)
         self.model_info = capture.model
+        self.final_norm, self.final_norm_problem = _final_norm(capture)
         if probe_due:
             try:
                 problem = engine.probe()
+            except ServerDown as exc:
+                self.lost()
+                self._down = str(exc)
+                return ServerVerdict("waiting", self._down)
             except BackendUnavailable as exc:
                 self.lost()
                 return ServerVerdict("waiting", f"model server not ready: {exc}")
             if problem is not None:
                 self.engine = None
                 return ServerVerdict("refusing", problem)
+            self._down = None
         self.engine = engine
         self.limits = self._limits(engine)
         self._outage = False
         self._checked_at = time.monotonic()
         self.backoff.reset()
-        server = {
-            "url": self.server.url,
-            "source": engine.source,
-            "name_by": capture.name_by,
-            "boot_id": capture.boot_id,
-            "model_path": capture.model.get("model_path"),
-            "model_key": model_key(self.model_info),
-            "layers": self.layers,
-            "layers_from": capture.layers_from,
-            "identity": self.identity,
-            # The named layer sets it gives (jobs asking for one match on it), which side of the final norm its
-            # layer L lies, and what to change when it gives less than EAGLE-3's layers.
-            "layer_sets": list(Serves.of(self.layers, self.model_info).sets),
-            "final_layer": capture.model.get("final_layer") or "post_norm",
-            "layers_hint": capture.hint,
-            # Whether conversations' answers can be regenerated here, with a seed that holds.
-            "regenerates": engine.regenerates,
-            "applies_seed": engine.regenerates and capture.applies_seed,
-            # What the server accepts; registered with the writer, where an API checks samples against it.
-            "vocab_size": self.limits.vocab_size,
-            "max_prompt_tokens": self.limits.max_tokens,
-        }
+        server = server_report(
+            self.server.url, engine, self.identity, self.limits, self.final_norm, self.final_norm_problem
+        )
         return ServerVerdict("ready", server=server)
 
     def _limits(self, engine: Engine) -> Limits:
@@ -200,3 +200,55 @@ class ServerWatch:
             return type(engine).limits(self.server) or Limits()
         except (BackendUnavailable, BackendRejected, ValueError):
             return Limits()
+
+
+def _final_norm(capture: Capture) -> tuple[FinalNorm | None, str | None]:
+    """The model's final norm where the server captures layer L before it (None where it gives L after the
+    norm, or not at all), or why hsx cannot apply it."""
+    model = capture.model
+    if model.get("final_layer") != "pre_norm" or model.get("num_hidden_layers") not in (capture.layers or []):
+        return None, None
+    try:
+        return load_final_norm(model), None
+    except NormUnavailable as exc:
+        log.warning("layer L comes before the final norm, and hsx cannot apply it: %s", exc)
+        return None, str(exc)
+
+
+def server_report(
+    url: str,
+    engine: Engine,
+    identity: Identity | None,
+    limits: Limits,
+    final_norm: FinalNorm | None = None,
+    final_norm_problem: str | None = None,
+) -> dict[str, Any]:
+    """What a writer reports of the server it found ready (WriterRow.server): /healthz and /v1/workers show it,
+    jobs are matched against it (hsx.matching), an API checks samples against its limits. `final_norm`: the
+    norm hsx applies where the server gives layer L before it (`final_norm_problem`: why it cannot)."""
+    capture = engine.capture
+    return {
+        "url": url,
+        "source": engine.source,
+        "name_by": capture.name_by,
+        "boot_id": capture.boot_id,
+        "model_path": capture.model.get("model_path"),
+        "model_key": model_key(capture.model),
+        "layers": capture.layers,
+        "layers_from": capture.layers_from,
+        "identity": identity,
+        # The named layer sets it gives (jobs asking for one match on it), conversion included, which side of
+        # the final norm its layer L lies, and what to change when it gives less than EAGLE-3's layers.
+        "layer_sets": list(Serves.of(capture.layers, capture.model, converts=final_norm is not None).sets),
+        "num_hidden_layers": capture.model.get("num_hidden_layers"),
+        "final_layer": capture.model.get("final_layer") or "post_norm",
+        "final_norm": final_norm.describe() if final_norm is not None else None,
+        "final_norm_problem": final_norm_problem,
+        "layers_hint": capture.hint,
+        # Whether conversations' answers can be regenerated here, with a seed that holds.
+        "regenerates": engine.regenerates,
+        "applies_seed": engine.regenerates and capture.applies_seed,
+        # What the server accepts; registered with the writer, where an API checks samples against it.
+        "vocab_size": limits.vocab_size,
+        "max_prompt_tokens": limits.max_tokens,
+    }

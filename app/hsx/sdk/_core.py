@@ -7,7 +7,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Generic, TypeVar, cast
@@ -18,6 +18,8 @@ from pydantic import BaseModel
 
 from hsx.sdk.errors import ChecksumMismatch, HsxError, Unavailable
 from hsx.sdk.models import (
+    Consumer,
+    ConsumerList,
     Health,
     Job,
     JobPage,
@@ -25,6 +27,7 @@ from hsx.sdk.models import (
     ManifestShard,
     Sample,
     SamplePage,
+    Shard,
     ShardList,
     Throughput,
     TokenInfo,
@@ -32,7 +35,7 @@ from hsx.sdk.models import (
 )
 from hsx.states import TERMINAL_JOB_STATES
 from hsx.storage.atomic import atomic_file, fsync_path
-from hsx.wire import JobOptions
+from hsx.wire import AckIn, JobOptions
 
 log = logging.getLogger("hsx.sdk")
 
@@ -114,10 +117,11 @@ def idempotency_header(key: str | None) -> dict[str, str] | None:
     return {"Idempotency-Key": key} if key else None
 
 
-def layers_param(layers: list[int] | str | None) -> str | None:
+def layers_param(layers: Sequence[int | str] | str | None) -> str | None:
+    """A job's layers as the NDJSON query gives them: a set's name, or sets and layers comma-separated."""
     if layers is None or isinstance(layers, str):
         return layers
-    return ",".join(str(int(x)) for x in layers)
+    return ",".join(x if isinstance(x, str) else str(int(x)) for x in layers)
 
 
 class Calls:
@@ -126,7 +130,7 @@ class Calls:
         samples: list[dict[str, Any]] | None,
         input_path: str | os.PathLike[str] | None,
         name: str | None,
-        layers: list[int] | str | None,
+        layers: Sequence[int | str] | str | None,
         idempotency_key: str | None,
         options: Options = None,
     ) -> Call[Job]:
@@ -143,12 +147,14 @@ class Calls:
 
     @staticmethod
     def submit_jsonl(
-        name: str | None, layers: list[int] | str | None, idempotency_key: str | None, options: Options = None
+        name: str | None, layers: Sequence[int | str] | str | None, idempotency_key: str | None, options: Options = None
     ) -> Call[Job]:
         params = drop_none({"name": name, "layers": layers_param(layers)})
         for key, value in job_options(options).items():
             if key == "regenerate":  # flattened in the query string
                 params.update({f"regenerate_{k}": v for k, v in value.items()})
+            elif key == "consumers":  # one comma-separated value
+                params[key] = ",".join(value)
             else:
                 params[key] = value
         return Call(
@@ -205,8 +211,29 @@ class Calls:
         return Call("POST", jobs_path(job, "verify"), dict)
 
     @staticmethod
-    def list_shards(job: JobRef) -> Call[ShardList]:
-        return Call("GET", jobs_path(job, "shards"), ShardList)
+    def list_shards(job: JobRef, after: int = 0, limit: int = 1000, wait: float = 0) -> Call[ShardList]:
+        params = {"after": after, "limit": limit, **({"wait": wait} if wait else {})}
+        return Call("GET", jobs_path(job, "shards"), ShardList, params=params)
+
+    @staticmethod
+    def register_consumer(job: JobRef, name: str) -> Call[Consumer]:
+        return Call("POST", jobs_path(job, "consumers"), Consumer, json={"name": name})
+
+    @staticmethod
+    def consumers(job: JobRef) -> Call[ConsumerList]:
+        return Call("GET", jobs_path(job, "consumers"), ConsumerList)
+
+    @staticmethod
+    def consumer(job: JobRef, name: str) -> Call[Consumer]:
+        return Call("GET", jobs_path(job, "consumers", name), Consumer)
+
+    @staticmethod
+    def ack(job: JobRef, name: str, position: AckIn) -> Call[Consumer]:
+        return Call("POST", jobs_path(job, "consumers", name, "acks"), Consumer, json=position.model_dump())
+
+    @staticmethod
+    def delete_consumer(job: JobRef, name: str) -> Call[None]:
+        return Call("DELETE", jobs_path(job, "consumers", name), None)
 
     @staticmethod
     def throughput(job: JobRef, points: int) -> Call[Throughput]:
@@ -261,6 +288,36 @@ class JobDownload:
 
 # What `wait()` polls through: the service or its database restarting is not the job failing.
 TRANSIENT = (Unavailable, httpx.TransportError)
+
+
+def long_poll(timeout: httpx.Timeout, wait: float) -> dict[str, Any]:
+    """A long poll's request options: its read timeout is the wait itself plus the client's own."""
+    if not wait:
+        return {}
+    return {
+        "timeout": httpx.Timeout(
+            timeout.connect, read=(timeout.read or 0) + wait, write=timeout.write, pool=timeout.pool
+        )
+    }
+
+
+class Feed:
+    """follow_shards' bookkeeping, the same for the sync and async clients: where the feed stands, whether it
+    is complete, and the pause before asking again after a transient failure (doubling to 10 s)."""
+
+    def __init__(self, after: int):
+        self.after = after
+        self.complete = False
+        self._failures = 0
+
+    def take(self, page: ShardList) -> list[Shard]:
+        self._failures = 0
+        self.after, self.complete = page.last_seq, page.complete
+        return page.data
+
+    def pause(self) -> float:
+        self._failures += 1
+        return min(10.0, 0.25 * 2**self._failures)
 
 
 class Poll:

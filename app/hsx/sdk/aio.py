@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ from hsx.sdk._core import (
     BytesSent,
     Call,
     Calls,
+    Feed,
     JobBytes,
     JobDownload,
     JobRef,
@@ -31,24 +32,28 @@ from hsx.sdk._core import (
     file_chunks,
     job_events,
     jobs_path,
+    long_poll,
     resolve_dest,
     tensors_from_bytes,
     write_atomic,
 )
 from hsx.sdk.errors import error_from_response
 from hsx.sdk.models import (
+    Consumer,
     Health,
     Job,
     JobPage,
     Manifest,
     Sample,
     SamplePage,
+    Shard,
     ShardList,
     Throughput,
     TokenInfo,
     Worker,
 )
 from hsx.states import TERMINAL_JOB_STATES
+from hsx.wire import AckIn
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +102,7 @@ class AsyncHsxClient:
         *,
         input_path: str | None = None,
         name: str | None = None,
-        layers: list[int] | str | None = None,
+        layers: Sequence[int | str] | str | None = None,
         idempotency_key: str | None = None,
         options: Options = None,
     ) -> Job:
@@ -108,7 +113,7 @@ class AsyncHsxClient:
         source: str | os.PathLike[str] | IO[bytes],
         *,
         name: str | None = None,
-        layers: list[int] | str | None = None,
+        layers: Sequence[int | str] | str | None = None,
         idempotency_key: str | None = None,
         chunk_size: int = 1 << 16,
         progress: BytesSent | None = None,
@@ -143,6 +148,9 @@ class AsyncHsxClient:
         return await self._send(Calls.cancel(job))
 
     async def retry(self, job: JobRef) -> Job:
+        """Queue again what the job has not stored: its failed samples and, once it is cancelled, the samples
+        the cancel left unrun, each with a fresh attempt budget; the job goes on where it stopped (its next
+        shards follow its old ones in its feed). Conflict while it is cancelling, or with nothing to retry."""
         return await self._send(Calls.retry(job))
 
     async def delete(self, job: JobRef, *, files: bool = False) -> None:
@@ -216,8 +224,39 @@ class AsyncHsxClient:
     async def manifest(self, job: JobRef) -> Manifest:
         return await self._send(Calls.manifest(job))
 
-    async def list_shards(self, job: JobRef) -> ShardList:
-        return await self._send(Calls.list_shards(job))
+    async def list_shards(self, job: JobRef, *, after: int = 0, limit: int = 1000, wait: float = 0) -> ShardList:
+        return await self._send(Calls.list_shards(job, after, limit, wait), **long_poll(self._http.timeout, wait))
+
+    async def follow_shards(self, job: JobRef, *, after: int = 0, wait: float = 30.0) -> AsyncIterator[Shard]:
+        feed = Feed(after)
+        while not feed.complete:
+            try:
+                page = await self.list_shards(job, after=feed.after, wait=wait)
+            except TRANSIENT:
+                await asyncio.sleep(feed.pause())
+                continue
+            for shard in feed.take(page):
+                yield shard
+
+    # --- consumers --------------------------------------------------------------------------
+
+    async def register_consumer(self, job: JobRef, name: str) -> Consumer:
+        return await self._send(Calls.register_consumer(job, name))
+
+    async def consumers(self, job: JobRef) -> list[Consumer]:
+        return (await self._send(Calls.consumers(job))).data
+
+    async def consumer(self, job: JobRef, name: str) -> Consumer:
+        return await self._send(Calls.consumer(job, name))
+
+    async def ack(
+        self, job: JobRef, name: str, seq: int, *, rank: int = 0, world_size: int = 1, epoch: int = 1, epochs: int = 1
+    ) -> Consumer:
+        position = AckIn(rank=rank, world_size=world_size, epoch=epoch, epochs=epochs, seq=seq)
+        return await self._send(Calls.ack(job, name, position))
+
+    async def delete_consumer(self, job: JobRef, name: str) -> None:
+        await self._send(Calls.delete_consumer(job, name))
 
     async def download_shard(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ from hsx.sdk._core import (
     BytesSent,
     Call,
     Calls,
+    Feed,
     JobBytes,
     JobDownload,
     JobRef,
@@ -31,24 +32,28 @@ from hsx.sdk._core import (
     file_chunks,
     job_events,
     jobs_path,
+    long_poll,
     resolve_dest,
     tensors_from_bytes,
     write_atomic,
 )
 from hsx.sdk.errors import HsxError, error_from_response
 from hsx.sdk.models import (
+    Consumer,
     Health,
     Job,
     JobPage,
     Manifest,
     Sample,
     SamplePage,
+    Shard,
     ShardList,
     Throughput,
     TokenInfo,
     Worker,
 )
 from hsx.states import TERMINAL_JOB_STATES
+from hsx.wire import AckIn
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +76,15 @@ class HsxClient:
         options = client_options(base_url, token, timeout, httpx_options)
         self.base_url: str = options["base_url"]
         self._http = httpx.Client(**options)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A client pickles as its URL, headers (its token among them) and timeout, not its connections: a
+        DataLoader worker that unpickles one (HiddenStateStream over HTTP) opens its own."""
+        return {"base_url": self.base_url, "headers": dict(self._http.headers), "timeout": self._http.timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.base_url = state["base_url"]
+        self._http = httpx.Client(base_url=self.base_url, headers=state["headers"], timeout=state["timeout"])
 
     def __enter__(self) -> HsxClient:
         return self
@@ -95,14 +109,15 @@ class HsxClient:
         *,
         input_path: str | None = None,
         name: str | None = None,
-        layers: list[int] | str | None = None,
+        layers: Sequence[int | str] | str | None = None,
         idempotency_key: str | None = None,
         options: Options = None,
     ) -> Job:
         """Create a job from inline samples ({"id"?, "input_ids", "loss_mask"?}, or a conversation: {"id"?,
         "messages": [...]} / ShareGPT {"id"?, "conversations": [...]}) or from a JSONL or Parquet file under the
         service's input root (`input_path`). `layers`: a named set ("eagle3", the default; "eagle3_pre_norm",
-        "last", "last_pre_norm", "any") or a list of layers. `options`: the job's max_length, length_policy,
+        "dflash", "dflash_pre_norm", "last", "last_pre_norm", "any"), a list of layers, or a list of sets and layers
+        (["eagle3", "dflash"]: their union captured once). `options`: the job's max_length, length_policy,
         on_invalid, loss, tokenizer and regenerate (hsx.wire.JobOptions, or a dict of them). Repeating a request
         with the same `idempotency_key` returns the first job."""
         return self._send(Calls.create_job(samples, input_path, name, layers, idempotency_key, options))
@@ -112,7 +127,7 @@ class HsxClient:
         source: str | os.PathLike[str] | IO[bytes],
         *,
         name: str | None = None,
-        layers: list[int] | str | None = None,
+        layers: Sequence[int | str] | str | None = None,
         idempotency_key: str | None = None,
         chunk_size: int = 1 << 16,
         progress: BytesSent | None = None,
@@ -151,6 +166,9 @@ class HsxClient:
         return self._send(Calls.cancel(job))
 
     def retry(self, job: JobRef) -> Job:
+        """Queue again what the job has not stored: its failed samples and, once it is cancelled, the samples
+        the cancel left unrun, each with a fresh attempt budget; the job goes on where it stopped (its next
+        shards follow its old ones in its feed). Conflict while it is cancelling, or with nothing to retry."""
         return self._send(Calls.retry(job))
 
     def delete(self, job: JobRef, *, files: bool = False) -> None:
@@ -231,9 +249,48 @@ class HsxClient:
     def manifest(self, job: JobRef) -> Manifest:
         return self._send(Calls.manifest(job))
 
-    def list_shards(self, job: JobRef) -> ShardList:
-        """The shards written so far (name, bytes, sha256, counts), without the manifest's list of samples."""
-        return self._send(Calls.list_shards(job))
+    def list_shards(self, job: JobRef, *, after: int = 0, limit: int = 1000, wait: float = 0) -> ShardList:
+        """One page of the job's commit feed: the shards recorded after `after` (each with its `seq` and its
+        samples' ids, offsets and lengths), at most `limit`; with `wait`, waiting up to that many seconds for
+        one when none is there yet. Its `last_seq` is the next `after`; `complete` says the feed has ended."""
+        return self._send(Calls.list_shards(job, after, limit, wait), **long_poll(self._http.timeout, wait))
+
+    def follow_shards(self, job: JobRef, *, after: int = 0, wait: float = 30.0) -> Iterator[Shard]:
+        """Every shard the job records after `after`, as it is recorded, in feed order; ends once the job
+        has ended and its last shard was given. The service restarting, or answering 503 meanwhile, is
+        waited out: the feed goes on where it was."""
+        feed = Feed(after)
+        while not feed.complete:
+            try:
+                page = self.list_shards(job, after=feed.after, wait=wait)
+            except TRANSIENT:
+                time.sleep(feed.pause())
+                continue
+            yield from feed.take(page)
+
+    # --- consumers --------------------------------------------------------------------------
+
+    def register_consumer(self, job: JobRef, name: str) -> Consumer:
+        """Register a consumer of the job's shards, or return it as it is when registered already."""
+        return self._send(Calls.register_consumer(job, name))
+
+    def consumers(self, job: JobRef) -> list[Consumer]:
+        return self._send(Calls.consumers(job)).data
+
+    def consumer(self, job: JobRef, name: str) -> Consumer:
+        return self._send(Calls.consumer(job, name))
+
+    def ack(
+        self, job: JobRef, name: str, seq: int, *, rank: int = 0, world_size: int = 1, epoch: int = 1, epochs: int = 1
+    ) -> Consumer:
+        """Acknowledge one rank's position: every shard up to `seq` read, in epoch `epoch` of `epochs`. Send it
+        once the checkpoint holding that position is saved."""
+        position = AckIn(rank=rank, world_size=world_size, epoch=epoch, epochs=epochs, seq=seq)
+        return self._send(Calls.ack(job, name, position))
+
+    def delete_consumer(self, job: JobRef, name: str) -> None:
+        """Forget a consumer: it no longer holds the job back, nor keeps shards on disk."""
+        self._send(Calls.delete_consumer(job, name))
 
     def download_shard(
         self,

@@ -48,8 +48,13 @@ class Conflict(HsxError):
 
 
 class Gone(HsxError):
-    """410: a shard the job recorded is no longer in the service's output root (deleted or moved);
-    `problem["missing_shards"]` names them."""
+    """410: a shard the job recorded is no longer in the service's output root: deleted or moved
+    (`problem["missing_shards"]` names them), or deleted by retention once every consumer had read it
+    (`deleted_by_retention`; `problem["deleted_shards"]` names them)."""
+
+    @property
+    def deleted_by_retention(self) -> bool:
+        return self.type == "/problems/shard-deleted"
 
 
 class PayloadTooLarge(HsxError):
@@ -66,9 +71,10 @@ class ServerError(HsxError):
 
 
 class Unavailable(ServerError):
-    """503: the service cannot answer now (its database is restarting or unreachable, or it is taking in as
-    many large job bodies as it takes at once); nothing was changed, so the same request can be sent again
-    (after the answer's Retry-After seconds). `wait()` keeps polling through it."""
+    """503: the service cannot answer now (its database is restarting or unreachable, every database
+    connection its requests may use stayed taken while this one waited, or it is taking in as many large job
+    bodies as it takes at once); nothing was changed, so the same request can be sent again (after the
+    answer's Retry-After seconds). `wait()` keeps polling through it."""
 
 
 class ChecksumMismatch(HsxError):

@@ -8,9 +8,12 @@ from hsx.states import TERMINAL_JOB_STATES, JobState, SampleState
 from hsx.wire import AttemptOut as Attempt
 from hsx.wire import (
     Attempts,
+    ConsumerList,
     Counts,
+    FeedSample,
     Health,
     JobPage,
+    RankOut,
     SamplePage,
     ShardList,
     Throughput,
@@ -19,6 +22,7 @@ from hsx.wire import (
     Tokens,
     WorkerList,
 )
+from hsx.wire import ConsumerOut as Consumer
 from hsx.wire import JobOut as Job
 from hsx.wire import SampleOut as Sample
 from hsx.wire import ShardOut as Shard
@@ -32,7 +36,10 @@ __all__ = [
     "TERMINAL_STATES",
     "Attempt",
     "Attempts",
+    "Consumer",
+    "ConsumerList",
     "Counts",
+    "FeedSample",
     "Health",
     "Job",
     "JobPage",
@@ -40,6 +47,7 @@ __all__ = [
     "Manifest",
     "ManifestSample",
     "ManifestShard",
+    "RankOut",
     "Sample",
     "SamplePage",
     "SampleState",

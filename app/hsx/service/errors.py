@@ -5,6 +5,8 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any, TypedDict
 
+from hsx.storage.errors import ShardError
+
 
 class _Field(TypedDict):
     field: str
@@ -127,6 +129,37 @@ class ShardsMissing(ServiceError):
         )
 
 
+class ShardsDeleted(ServiceError):
+    """Shards retention deleted (retention acked: every consumer had read them); their records stay."""
+
+    def __init__(self, job_id: str, names: list[str]):
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(
+            410,
+            f"job {job_id}: retention deleted {shown} once every consumer had read it (retention: acked)",
+            type_="/problems/shard-deleted",
+            deleted_shards=names,
+        )
+
+
+class ShardDamaged(ServiceError):
+    """A shard on disk fails a check on what it holds (hsx.storage.errors.ShardError), or no longer is
+    the file its record describes: the stored data is bad, not the request, and asking again will not
+    help. `error`'s shard is named by its file name; hsx verify checks the whole job."""
+
+    def __init__(self, job_id: str, name: str, error: ShardError):
+        named = ShardError(error.problem, shard=name, layer=error.layer, sample=error.sample)
+        where: dict[str, Any] = {"layer": error.layer, "sample_id": error.sample}
+        super().__init__(
+            500,
+            f"job {job_id}: {named}; hsx verify checks the whole job",
+            type_="/problems/shard-damaged",
+            title="Shard damaged",
+            shard=name,
+            **{k: v for k, v in where.items() if v is not None},
+        )
+
+
 class IdempotencyKeyReused(ServiceError):
     def __init__(self) -> None:
         super().__init__(
@@ -191,7 +224,8 @@ class BodyTimeout(ServiceError):
 
 
 class Busy(ServiceError):
-    """Too many large requests are being taken in at once; the same request can be sent again later."""
+    """Too many requests of a kind at once (large bodies, or requests for the database's connections); the
+    same request can be sent again later, nothing having changed."""
 
     def __init__(self, detail: str, retry_after_s: int):
         super().__init__(503, detail, type_="/problems/busy", title="Busy", headers={"Retry-After": str(retry_after_s)})

@@ -26,7 +26,7 @@ from hsx.backends.engine import Limits
 from hsx.chat.formats import ConversationError, conversation_of
 from hsx.db.locks import hold_disk_budget
 from hsx.db.models import JobRow
-from hsx.db.repository import JobBuilder, NewSample, pending_output_bytes
+from hsx.db.repository import JobBuilder, NewSample, add_consumer, pending_output_bytes
 from hsx.lengths import kept_tokens
 from hsx.names import shown
 from hsx.service.errors import FieldError, InsufficientStorage, InvalidInput, OutsideInputRoot, Where
@@ -455,9 +455,14 @@ def store(
         # Checked before this job's estimate is set: the volume's other commitments, then this job.
         warning = disk.check(session, estimated, job_id=builder.job.id) if disk is not None else None
         builder.job.estimated_bytes, builder.job.disk_warning = estimated, warning
+    if options is not None:
+        builder.job.max_unread_bytes = options.max_unread_bytes
     for batch in spool.batches(BATCH):
         builder.add(batch)
-    return builder.finish()
+    job = builder.finish()
+    for consumer in (options.consumers if options is not None else None) or []:
+        add_consumer(session, job.id, consumer)
+    return job
 
 
 def resolve_input_path(input_root: Path, relative: str) -> Path:

@@ -6,7 +6,8 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from hsx.config import Settings, tokenizer_refusal
 from hsx.db import repository as repo
 from hsx.db.models import JobRow, SampleRow, ShardRow
 from hsx.extraction.finishing import finish_job
-from hsx.layers import DEFAULT_LAYER_SET
+from hsx.layers import ANY_LAYERS, DEFAULT_LAYER_SET, resolve, set_names
 from hsx.manifest import MANIFEST_NAME, Manifest, build_manifest, job_dir
 from hsx.matching import SEED_NEEDS, preparing_refusal
 from hsx.names import shown
@@ -31,10 +32,12 @@ from hsx.service.errors import (
     InvalidInput,
     InvalidTransition,
     NotFound,
+    ShardsDeleted,
     ShardsMissing,
 )
 from hsx.service.leftovers import job_folder, remove_leftover_folder
 from hsx.service.lines import LineTooLongError
+from hsx.service.shard_check import check_served
 from hsx.states import TERMINAL_JOB_STATES, JobState
 from hsx.verify import verify_job as verify_folder
 from hsx.wire import JobOptions
@@ -77,9 +80,11 @@ def create_job(
         if existing is not None:
             return _replayed(existing, digest.hexdigest())
     options = JobOptions.model_validate(request.model_dump(include=set(JobOptions.model_fields)))
+    check_feed(settings, options)
     check_tokenizer(sessions, settings, options)
     check_regenerate(sessions, options)
     layers = request.layers if request.layers is not None else DEFAULT_LAYER_SET
+    check_layers_fit(sessions, layers)
     limits = job_limits(backend, sessions, layers)
     ingest = intake.Ingest(limits, options)
     try:
@@ -119,22 +124,28 @@ async def create_job_from_ndjson(
     idempotency_key: str | None,
     body: AsyncIterable[bytes],
     options: JobOptions | None = None,
+    admitted: Callable[[], AbstractAsyncContextManager[object]] = nullcontext,
 ) -> JobRow:
     """A job from an application/x-ndjson body, one sample per line, checked as it streams.
 
     The event loop only receives the body: lines are cut, parsed, checked and spooled on a worker
-    thread, a block of chunks at a time, and the samples are stored once the body has ended."""
+    thread, a block of chunks at a time, and the samples are stored once the body has ended. The
+    database is used before the body is read and once it is whole, each time inside `admitted()` (the
+    API's slot for a request's database work), never while the body arrives."""
     options = options or JobOptions()
     digest = hashlib.sha256(json.dumps(["ndjson", name, layers, options.model_dump(mode="json")]).encode())
-    if idempotency_key:
-        existing = await run_sync(_job_with_key, sessions, idempotency_key)
-        if existing is not None:
-            async for chunk in body:  # the whole body, for its digest
-                digest.update(chunk)
-            return _replayed(existing, digest.hexdigest())
-    await run_sync(check_tokenizer, sessions, settings, options)
-    await run_sync(check_regenerate, sessions, options)
-    limits = await run_sync(job_limits, backend, sessions, layers)
+    check_feed(settings, options)
+    async with admitted():
+        existing = await run_sync(_job_with_key, sessions, idempotency_key) if idempotency_key else None
+        if existing is None:
+            await run_sync(check_tokenizer, sessions, settings, options)
+            await run_sync(check_regenerate, sessions, options)
+            await run_sync(check_layers_fit, sessions, layers)
+            limits = await run_sync(job_limits, backend, sessions, layers)
+    if existing is not None:
+        async for chunk in body:  # the whole body, for its digest
+            digest.update(chunk)
+        return _replayed(existing, digest.hexdigest())
     ingest = intake.Ingest(limits, options)
     try:
         reader = intake.JsonlReader(ingest, settings.max_sample_bytes, digest)
@@ -157,20 +168,31 @@ async def create_job_from_ndjson(
             ) from None
         # The digest is complete only now: a request that loses the race for its Idempotency-Key
         # compares the whole body with the winner's.
-        return await run_sync(
-            partial(
-                _store,
-                sessions,
-                settings,
-                ingest,
-                name=name,
-                layers=layers,
-                idempotency_key=idempotency_key,
-                request_sha256=digest.hexdigest(),
+        async with admitted():
+            return await run_sync(
+                partial(
+                    _store,
+                    sessions,
+                    settings,
+                    ingest,
+                    name=name,
+                    layers=layers,
+                    idempotency_key=idempotency_key,
+                    request_sha256=digest.hexdigest(),
+                )
             )
-        )
     finally:
         ingest.close()
+
+
+def check_feed(settings: Settings, options: JobOptions) -> None:
+    """A back-pressure limit below one shard would stop the job before its first shard could be read."""
+    if options.max_unread_bytes is not None and options.max_unread_bytes < settings.shard_max_bytes:
+        message = (
+            f"{options.max_unread_bytes} bytes is less than one shard ({settings.shard_max_bytes} bytes, "
+            "--shard-max-bytes): the job could never be read far enough to go on"
+        )
+        raise InvalidInput([{"field": "max_unread_bytes", "message": message}])
 
 
 def check_regenerate(sessions: sessionmaker[Session], options: JobOptions) -> None:
@@ -187,6 +209,35 @@ def check_regenerate(sessions: sessionmaker[Session], options: JobOptions) -> No
     if why is not None:
         field = "regenerate.seed" if why.startswith(SEED_NEEDS) else "regenerate"
         raise InvalidInput([{"field": field, "message": why}])
+
+
+def check_layers_fit(sessions: sessionmaker[Session], layers: list[int] | str) -> None:
+    """A job's layers are refused when live writers run, all have said their model's depth, and the job's
+    sets or ids fit none of those models (a set needs more layers than the model has, an id lies beyond its
+    depth); otherwise it waits for a worker that gives them, saying what it needs (hsx.matching.Waiting)."""
+    if layers == ANY_LAYERS:
+        return
+    with sessions() as session:
+        said = [(w.server or {}).get("num_hidden_layers") for w in repo.present_writers(session)]
+    depths = sorted({d for d in said if isinstance(d, int)})
+    if not said or len(depths) < len(set(said)):
+        return
+    why = []
+    for depth in depths:
+        try:
+            resolve(layers, depth)
+            return
+        except ValueError as exc:
+            why.append(str(exc))
+    raise InvalidInput(
+        [
+            {
+                "field": "layers",
+                "message": f"{'; '.join(why)} (the live workers' models; the layer sets are {set_names()}, "
+                f"each for a model of any depth it fits)",
+            }
+        ]
+    )
 
 
 def check_tokenizer(sessions: sessionmaker[Session], settings: Settings, options: JobOptions) -> None:
@@ -262,12 +313,15 @@ def cancel_job(*, session: Session, job_id: str) -> JobRow:
 
 
 def retry_job(*, session: Session, job_id: str) -> JobRow:
-    """Queue its failed samples again, with a fresh attempt budget."""
+    """Queue again what the job has not stored (its failed samples; a cancelled job's cancelled ones too),
+    with a fresh attempt budget: the job goes on from where it stopped (repo.retry_job)."""
     with session.begin():
         job = get_job(session=session, job_id=job_id)
-        if repo.retry_failed(session, job_id) is None:
-            cancelled = job.state in (JobState.CANCELLING, JobState.CANCELLED)
-            why = f"it is {job.state}" if cancelled or job.n_failed else "it has no failed samples"
+        if repo.retry_job(session, job_id) is None:
+            if job.state == JobState.CANCELLING:
+                why = "it is cancelling; once it is cancelled, a retry resumes it"
+            else:
+                why = f"it is {job.state} with no failed or cancelled samples"
             raise InvalidTransition(f"job cannot be retried: {why}")
         session.refresh(job)
         return job
@@ -302,16 +356,21 @@ def delete_job(*, session: Session, job_id: str, output_root: Path, delete_files
 
 def shard_file(*, session: Session, job_id: str, name: str, output_root: Path) -> tuple[ShardRow, Path, os.stat_result]:
     """A written shard's record, file and the file's stat; only names recorded in the database lead to
-    the disk. A recorded shard whose file is gone is ShardsMissing (410)."""
+    the disk. A recorded shard whose file is gone is ShardsMissing (410); one that is no longer the file
+    its record describes (size, sha256: hsx.service.shard_check) is ShardDamaged (500)."""
     get_job(session=session, job_id=job_id)
     shard = repo.get_shard(session, job_id, name)
     if shard is None:
         raise NotFound(f"shard {shown(name)}")
+    if shard.deleted_at is not None:
+        raise ShardsDeleted(job_id, [shard.name])
     path = job_dir(output_root, job_id) / shard.name
     try:
-        return shard, path, path.stat()
+        stat = path.stat()
     except FileNotFoundError:
         raise ShardsMissing(job_id, [shard.name]) from None
+    check_served(job_id, shard, path, stat)
+    return shard, path, stat
 
 
 def job_manifest(*, session: Session, job_id: str, output_root: Path) -> Manifest:
@@ -320,7 +379,7 @@ def job_manifest(*, session: Session, job_id: str, output_root: Path) -> Manifes
     job = get_job(session=session, job_id=job_id)
     manifest = build_manifest(session, job)
     folder = job_dir(output_root, job.id)
-    missing = [s.name for s in manifest.shards if not (folder / s.name).is_file()]
+    missing = [s.name for s in manifest.shards if not s.deleted and not (folder / s.name).is_file()]
     if missing:
         raise ShardsMissing(job.id, missing)
     return manifest

@@ -5,6 +5,7 @@ or once they are deleted without its files, found by the job's id alone."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import stat
@@ -34,8 +35,21 @@ def remove_leftover_folder(output_root: Path, job_id: str) -> bool:
     checked = job_folder(output_root, job_id)
     if checked is None:
         return False
-    shutil.rmtree(checked)
+    remove_folder(checked)
     return True
+
+
+def remove_folder(folder: Path) -> None:
+    """Remove a checked job folder that another request may be removing at the same moment (deletes of
+    one job at once, each finding its records gone): an entry gone before this one reached it is what
+    both wanted, so the walk starts again over what is left until the folder itself is gone."""
+    while True:
+        try:
+            shutil.rmtree(folder)
+            return
+        except FileNotFoundError:
+            if not os.path.lexists(folder):
+                return
 
 
 def job_folder(output_root: Path, job_id: str) -> Path | None:

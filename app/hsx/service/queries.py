@@ -9,9 +9,10 @@ from hsx.db import repository as repo
 from hsx.db.models import JobRow
 from hsx.names import shown
 from hsx.service.errors import InvalidInput
+from hsx.service.feed import held_reasons
 from hsx.service.jobs import get_job, get_sample
-from hsx.service.views import job_out, sample_out, shard_out, throughput_out
-from hsx.wire import JobOut, JobPage, SampleOut, SamplePage, ShardList, Throughput
+from hsx.service.views import job_out, sample_out, throughput_out
+from hsx.wire import JobOut, JobPage, SampleOut, SamplePage, Throughput
 
 
 def job_page(*, session: Session, state: str | None, after: str | None, limit: int) -> JobPage:
@@ -24,9 +25,10 @@ def job_page(*, session: Session, state: str | None, after: str | None, limit: i
     rows = repo.list_jobs(session, state=state, after=after or None, limit=limit + 1)
     page = rows[:limit]
     waiting = repo.waiting(session)
+    held = held_reasons(session, page)
     attempts = repo.attempt_counts(session, [j.id for j in page])
     return JobPage(
-        data=[job_out(j, waiting.reason(j), attempts.get(j.id)) for j in page],
+        data=[job_out(j, _why(held.get(j.id), waiting.reason(j)), attempts.get(j.id)) for j in page],
         has_more=len(rows) > limit,
         next_after=page[-1].id if len(rows) > limit else None,
     )
@@ -45,7 +47,13 @@ def job_view_if_any(*, session: Session, job_id: str) -> JobOut | None:
 
 def job_answer(*, session: Session, job: JobRow) -> JobOut:
     """A job as read (or as an action left it): with its attempts and why it waits."""
-    return job_out(job, repo.waiting(session).reason(job), repo.attempt_counts(session, [job.id]).get(job.id))
+    why = _why(held_reasons(session, [job]).get(job.id), repo.waiting(session).reason(job))
+    return job_out(job, why, repo.attempt_counts(session, [job.id]).get(job.id))
+
+
+def _why(held: str | None, writers: str | None) -> str | None:
+    """A job's waiting reason: its consumers first (no writer claims it while they lag), then its writers."""
+    return "; ".join(r for r in (held, writers) if r) or None
 
 
 def job_throughput(*, session: Session, job_id: str, points: int, now: float) -> Throughput:
@@ -79,9 +87,3 @@ def sample_view(*, session: Session, job_id: str, sample_id: str) -> SampleOut:
     """The sample with every attempt and its outcome, or NotFound (for the job first)."""
     sample = get_sample(session=session, job_id=job_id, sample_id=sample_id)
     return sample_out(sample, repo.sample_attempts(session, sample.pk))
-
-
-def shard_list(*, session: Session, job_id: str) -> ShardList:
-    """The shards the job has written so far, in order, or NotFound."""
-    get_job(session=session, job_id=job_id)
-    return ShardList(data=[shard_out(s) for s in repo.job_shards(session, job_id)])

@@ -15,6 +15,8 @@ from sqlalchemy.orm import Session
 
 from hsx.db import repository as repo
 from hsx.extraction.metrics import label
+from hsx.matching import default_layers_warning
+from hsx.service.feed import consumer_metrics
 from hsx.service.views import worker_out, writer_out
 from hsx.states import SampleState
 from hsx.wire import WorkerList, WriterOut, utc
@@ -40,14 +42,16 @@ def database_status(*, session: Session) -> str:
     return "ok"
 
 
-def live_writers(*, session: Session, own: OwnWriter | None = None) -> list[WriterOut]:
-    """Every writer that reported recently; this process's own (`own`) with its rate as of now, the figure
-    /healthz's `writer` shows, not as of its last heartbeat."""
-    writers = [writer_out(w) for w in repo.live_writers(session)]
+def live_writers(*, session: Session, own: OwnWriter | None = None) -> tuple[list[WriterOut], list[str]]:
+    """Every writer that reported recently, and what about them keeps jobs waiting (/healthz's `warnings`: no
+    ready writer gives the default layer set); this process's own writer (`own`) with its rate as of now, the
+    figure /healthz's `writer` shows, not as of its last heartbeat."""
+    rows = repo.live_writers(session)
+    writers = [writer_out(w) for w in rows]
     if own is not None:
         now = {"tokens_per_s": own.tokens_per_s}
         writers = [w.model_copy(update=now) if w.identity == own.identity else w for w in writers]
-    return writers
+    return writers, [warning for warning in [default_layers_warning(rows)] if warning]
 
 
 def worker_list(*, session: Session) -> WorkerList:
@@ -75,7 +79,7 @@ def state_metrics(*, session: Session, own: OwnWriter | None = None) -> list[str
         f'hsx_job_attempts{{outcome="{label(o)}",reason="{label(r)}"}} {n}'
         for o, r, n in repo.active_attempt_counts(session)
     ]
-    return lines + worker_metrics(session, own)
+    return lines + worker_metrics(session, own) + consumer_metrics(session)
 
 
 def worker_metrics(session: Session, own: OwnWriter | None) -> list[str]:

@@ -9,8 +9,9 @@ from datetime import datetime, timezone
 from typing import Any, cast
 
 from hsx.db import repository as repo
-from hsx.db.models import AttemptRow, JobRow, SampleRow, ShardRow, WriterRow
-from hsx.layers import ANY_LAYERS, LAYER_SETS, LayerSetName
+from hsx.db.models import AttemptRow, JobRow, SampleRow, WriterRow
+from hsx.layers import ANY_LAYERS, LayerSetName, choice_parts, shown_choice
+from hsx.matching import layer_sets, serves_default
 from hsx.states import JobState
 from hsx.wire import (
     AttemptOut,
@@ -20,7 +21,6 @@ from hsx.wire import (
     JobOut,
     PreparerOut,
     SampleOut,
-    ShardOut,
     Throughput,
     ThroughputPoint,
     Tokens,
@@ -34,9 +34,9 @@ def job_out(job: JobRow, waiting: str | None = None, attempts: list[tuple[str, s
     """A job, its rate and ETA; `waiting` is why it makes no progress if active (see hsx.matching.Waiting);
     `attempts` its counts of ended attempts (repo.attempt_counts), none for a job just created."""
     rate = eta = None
-    started = utc(job.started_at)
+    created, started = utc(job.created_at), utc(job.started_at)
+    end = utc(job.finished_at) or datetime.now(timezone.utc)
     if started is not None:
-        end = utc(job.finished_at) or datetime.now(timezone.utc)
         elapsed = (end - started).total_seconds()
         extracted = job.tokens_done + job.tokens_staged
         if elapsed > 0 and extracted:
@@ -53,11 +53,15 @@ def job_out(job: JobRow, waiting: str | None = None, attempts: list[tuple[str, s
         state=job.state,
         error=job.error,
         warning=job.warning,
-        created_at=utc(job.created_at),
+        created_at=created,
         waiting_reason=waiting if extracting else None,
+        prepared_at=utc(job.prepared_at),
         started_at=started,
         cancel_requested_at=utc(job.cancel_requested_at),
         finished_at=utc(job.finished_at),
+        elapsed_s=_seconds(created, end),
+        preparing_s=_preparing_s(job, created, end),
+        extracting_s=_seconds(started, end),
         counts=Counts(
             total=job.num_samples,
             preparing=job.n_preparing,
@@ -77,16 +81,32 @@ def job_out(job: JobRow, waiting: str | None = None, attempts: list[tuple[str, s
         shards_written=job.shards_written,
         estimated_bytes=job.estimated_bytes,
         disk_warning=job.disk_warning,
-        layers=job.layers if job.layers is not None else _layer_set(job.layers_key),
+        layers=list[int | str](job.layers) if job.layers is not None else _layer_choice(job.layers_key),
         model=job.model_info,
         options=JobOptions.model_validate(job.options or {}),
         manifest_url=f"/v1/jobs/{job.id}/manifest",
     )
 
 
-def _layer_set(key: str | None) -> LayerSetName:
-    """The named set a job without a layer list asked for; any for one that asked for whatever is captured."""
-    return cast(LayerSetName, key) if key in LAYER_SETS else ANY_LAYERS
+def _layer_choice(key: str | None) -> list[int | str] | LayerSetName:
+    """What a job without a layer list asked for: a named set, several sets (with any ids) as a list, or any
+    (whose key is its first stored sample's layers once one is stored)."""
+    if key is None or not choice_parts(key)[0]:
+        return ANY_LAYERS
+    shown = shown_choice(key)
+    return shown if isinstance(shown, list) else cast(LayerSetName, shown)
+
+
+def _seconds(start: datetime | None, end: datetime) -> float | None:
+    return None if start is None else round(max(0.0, (end - start).total_seconds()), 3)
+
+
+def _preparing_s(job: JobRow, created: datetime, end: datetime) -> float | None:
+    """How long its conversations took to be prepared: to prepared_at, or to `end` while some still wait; None for
+    a job that had none to prepare."""
+    if job.prepared_at is not None:
+        return _seconds(created, utc(job.prepared_at))
+    return _seconds(created, end) if job.n_preparing else None
 
 
 # Outcomes of an attempt that spent the sample's budget for a reason.
@@ -147,18 +167,6 @@ def sample_out(s: SampleRow, attempts: Sequence[AttemptRow] | None = None) -> Sa
     )
 
 
-def shard_out(s: ShardRow) -> ShardOut:
-    return ShardOut(
-        name=s.name,
-        bytes=s.bytes,
-        sha256=s.sha256,
-        num_samples=s.num_samples,
-        num_tokens=s.num_tokens,
-        created_at=utc(s.created_at),
-        url=f"/v1/jobs/{s.job_id}/shards/{s.name}",
-    )
-
-
 def throughput_out(job_id: str, width: int, points: Sequence[repo.ThroughputPoint]) -> Throughput:
     return Throughput(
         job_id=job_id,
@@ -189,6 +197,8 @@ def writer_out(w: WriterRow) -> WriterOut:
         heartbeat_at=utc(w.heartbeat_at),
         tokens_per_s=(w.stats or {}).get("tokens_per_s"),
         preparer=preparer_out(w.stats),
+        layer_sets=layer_sets(w.server),
+        serves_default=serves_default(w.server),
     )
 
 
@@ -211,6 +221,9 @@ def worker_out(w: WriterRow) -> WorkerOut:
         model_path=server.get("model_path"),
         model_key=server.get("model_key"),
         layers=server.get("layers"),
+        final_layer=server.get("final_layer"),
+        final_norm=server.get("final_norm"),
+        final_norm_problem=server.get("final_norm_problem"),
         source=server.get("source"),
         vocab_size=w.vocab_size,
         max_prompt_tokens=w.max_prompt_tokens,
@@ -221,4 +234,6 @@ def worker_out(w: WriterRow) -> WorkerOut:
         samples_staged=stats.get("samples_staged"),
         tokens_per_s=stats.get("tokens_per_s"),
         preparer=preparer_out(stats),
+        layer_sets=layer_sets(w.server),
+        serves_default=serves_default(w.server),
     )

@@ -10,6 +10,11 @@ its byte distribution allows. A plane given its own frame keeps its own code tab
 across planes would mix. Measured against zstd and zlib over the raw bytes, Blosc2's byte- and
 bit-shuffle filters in front of zstd and LZ4, and lzma over planes: docs/performance.md, "Encodings".
 
+Each frame records its content size and carries zstd's content checksum (a 32-bit xxhash of the
+plane), which zstd checks as it decompresses: a byte changed inside a frame fails its block's decoding
+instead of changing values unseen. Frames written before they carried checksums still read; they are
+checked where their header says they have one.
+
 zstd comes from the `zstandard` package; Python 3.14's `compression.zstd` reads the same frames.
 """
 
@@ -20,9 +25,18 @@ import threading
 import numpy as np
 import zstandard
 
-# strategy 1 (fast), one probe into a 64-entry table, matches of 7 bytes or more, a 128 KiB window
+# strategy 1 (fast), one probe into a 64-entry table, matches of 7 bytes or more, a 128 KiB window;
+# the content size and checksum in every frame
 PARAMETERS = zstandard.ZstdCompressionParameters(
-    window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0, strategy=1
+    window_log=17,
+    hash_log=6,
+    chain_log=6,
+    search_log=1,
+    min_match=7,
+    target_length=0,
+    strategy=1,
+    write_content_size=1,
+    write_checksum=1,
 )
 
 _local = threading.local()
@@ -60,23 +74,28 @@ def compress(rows: np.ndarray, itemsize: int) -> list[bytes]:
 
 
 def decompress(frames: list[np.ndarray], itemsize: int, nbytes: int) -> np.ndarray:
-    """The `nbytes` of values the frames (uint8 arrays) of one block hold, as uint8 [nbytes]; a frame
-    that does not hold its plane's nbytes / itemsize bytes is a ValueError."""
+    """The `nbytes` of values the frames (uint8 arrays) of one block hold, as uint8 [nbytes]. Each frame's
+    header must declare its plane's nbytes / itemsize bytes before anything is decompressed (so no frame
+    takes more memory than its block needs), hold one whole frame and nothing after it, and match its
+    checksum where it carries one; a frame that does not is a ValueError naming its plane."""
     if len(frames) != itemsize or nbytes % itemsize:
         raise ValueError(f"a block of {nbytes} bytes of {itemsize}-byte values has {len(frames)} planes")
     count = nbytes // itemsize
     planes = []
     decompressor = _decompressor()
     for p, frame in enumerate(frames):
+        data = frame.data
         try:
-            # the size the frame declares is checked before any memory is taken for it
-            data = frame.data
-            declared = zstandard.frame_content_size(data)
-            if declared != count:
-                raise ValueError(f"byte plane {p} declares {declared} bytes, expected {count}")
-            decoded = decompressor.decompress(data)
+            declared = zstandard.get_frame_parameters(data).content_size
         except zstandard.ZstdError as exc:
-            raise ValueError(f"byte plane {p}: not a whole zstd frame ({exc})") from exc
+            raise ValueError(f"byte plane {p}: not a zstd frame header ({exc})") from exc
+        if declared != count:
+            shown = "no size" if declared == zstandard.CONTENTSIZE_UNKNOWN else f"{declared} bytes"
+            raise ValueError(f"byte plane {p} declares {shown}, expected {count}")
+        try:
+            decoded = decompressor.decompress(data, max_output_size=count, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"byte plane {p}: not a sound zstd frame ({exc})") from exc
         if len(decoded) != count:
             raise ValueError(f"byte plane {p} holds {len(decoded)} bytes, expected {count}")
         planes.append(np.frombuffer(decoded, dtype=np.uint8))
@@ -86,3 +105,11 @@ def decompress(frames: list[np.ndarray], itemsize: int, nbytes: int) -> np.ndarr
         values <<= values.dtype.type(8)
         values |= plane
     return values.view(np.uint8)
+
+
+def has_checksum(frame: np.ndarray) -> bool:
+    """Whether a frame's header says it carries zstd's content checksum (False for one without a header)."""
+    try:
+        return bool(zstandard.get_frame_parameters(frame.data).has_checksum)
+    except zstandard.ZstdError:
+        return False

@@ -29,7 +29,7 @@ import numpy as np
 
 from hsx.dtypes import DTYPES
 from hsx.storage.atomic import atomic_file
-from hsx.storage.encoding import LayerEncoder, LayerStats, block_rows, encoder, shard_metadata
+from hsx.storage.encoding import LayerEncoder, LayerStats, block_rows, encoding_of
 from hsx.storage.finite import FiniteCheck
 from hsx.storage.safetensors_raw import TensorSpan, encode_header
 from hsx.storage.sink import PIECE_BYTES, BufferedSink, DirectSink, open_sink
@@ -248,7 +248,7 @@ def _encode_layers(
     row_bytes = hidden_size * DTYPES[dtype].itemsize
     scratch = memoryview(bytearray(block_rows(row_bytes) * row_bytes))
     finite = FiniteCheck(dtype)
-    encoders = [encoder(encoding, f"layer_{i}", DTYPES[dtype], hidden_size) for i in layers]
+    encoders = [encoding_of(encoding).encoder(f"layer_{i}", DTYPES[dtype], hidden_size) for i in layers]
     work = _Encoding(pool)
     bad: dict[str, str] = {}
     for layer, enc in zip(layers, encoders):
@@ -291,7 +291,7 @@ def write_shard(
         raise ValueError("a shard needs at least one sample")
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers {layers} name a layer twice: a shard holds one layer_<i> tensor per layer")
-    if encoding != "raw":
+    if encoding_of(encoding).encoded:
         return _write_encoded(path, samples, layers, dtype, hidden_size, encoding=encoding, pool=encoders)
     code = DTYPES[dtype].code
     offsets, total = _offsets(samples, layers, hidden_size * DTYPES[dtype].itemsize)
@@ -346,7 +346,7 @@ def _write_encoded(
         "format": SHARD_FORMAT,
         "sample_ids": json.dumps([s.sample_id for s in samples]),
         "offsets": json.dumps(offsets),
-        **shard_metadata(encoding, DTYPES[dtype], hidden_size),
+        **encoding_of(encoding).metadata(DTYPES[dtype], hidden_size),
     }
     with atomic_file(path) as f, closing(open_sink(f)) as sink:
         out = _Out(sink)

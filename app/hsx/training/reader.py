@@ -5,9 +5,11 @@
 a few opened shards in a small cache. The cache belongs to one process: after a fork (DataLoader
 workers) or a pickle (spawned workers) it starts empty, so no worker shares another's handles.
 
-A shard whose `__metadata__` names an encoding (hsx.storage.encoding) has its layers decoded here,
-from a mapping of the file (hsx.storage.mapped): the tensors come out as a raw shard would give
-them, a lossless layer bit for bit, an fp8 one in the job's dtype.
+Every shard is also mapped (hsx.storage.mapped): a sample's rows are where the shard's own metadata
+places it, and a manifest that says otherwise is refused; a shard whose `__metadata__` names an
+encoding (hsx.storage.encoding) has its layers decoded from the mapping, checked as they are read, and
+the tensors come out as a raw shard would give them, a lossless layer bit for bit, an fp8 one in the
+job's dtype. What fails a check is a ShardError naming the shard, the layer and the sample.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors import safe_open
 
 from hsx.dtypes import DTYPES_BY_CODE
 from hsx.manifest import HiddenStates, Manifest, ManifestSample, load_manifest, locate
+from hsx.storage.errors import ShardError
 from hsx.storage.mapped import MappedShard
 
 
@@ -73,7 +76,7 @@ def load_job(source: str | os.PathLike[str]) -> StoredJob:
 @dataclass
 class _OpenShard:
     handle: safe_open
-    decoder: MappedShard | None  # an encoded shard's layers, decoded from its mapping
+    mapped: MappedShard  # its placement of samples, and its layers where they are decoded
 
 
 class ShardReader:
@@ -106,10 +109,9 @@ class ShardReader:
             path = self.job_dir / shard
             try:
                 handle = safe_open(str(path), framework="pt")
-                encoded = (handle.metadata() or {}).get("encoding", "raw") != "raw"
             except Exception as exc:  # safetensors raises its own error type for a damaged file
-                raise ValueError(f"{path}: unreadable shard ({exc}); run hsx verify") from exc
-            f = self._handles[shard] = _OpenShard(handle, MappedShard(path) if encoded else None)
+                raise ShardError(f"unreadable shard ({exc}); run hsx verify", shard=path) from exc
+            f = self._handles[shard] = _OpenShard(handle, MappedShard(path))
             while len(self._handles) > self.max_open:
                 self._handles.popitem(last=False)
         else:
@@ -120,28 +122,34 @@ class ShardReader:
         return self._open(shard).handle
 
     def sample(self, entry: ManifestSample, keys: list[str]) -> dict[str, torch.Tensor]:
-        """The rows of `keys` that belong to one sample of the manifest (encoded layers decoded)."""
-        start, stop = entry.offset, entry.offset + entry.num_tokens
-        handle, decoder = self.handle(entry.shard), self._open(entry.shard).decoder
-        out = {}
-        for key in keys:
-            if decoder is not None and decoder.encoded is not None and decoder.encoded.holds(key):
-                out[key] = _decoded(decoder, key, start, stop, entry)
-                continue
-            t = handle.get_slice(key)[start:stop]
-            if t.shape[0] != stop - start:
-                raise ValueError(f"{entry.shard}: {key} ends before sample {entry.id!r} does")
-            out[key] = t
-        return out
+        """The rows of `keys` that belong to one sample of the manifest (encoded layers decoded); a
+        ShardError names the shard, the layer and the sample where its shard fails a check."""
+        opened = self._open(entry.shard)
+        try:
+            start, stop = opened.mapped.place(entry.id, entry.offset, entry.num_tokens)
+            return {key: self._rows(opened, key, start, stop, entry) for key in keys}
+        except ShardError as exc:
+            raise exc.at(sample=entry.id) from None
+
+    def _rows(self, opened: _OpenShard, key: str, start: int, stop: int, entry: ManifestSample) -> torch.Tensor:
+        if opened.mapped.decodes(key):
+            return _decoded(opened.mapped, key, start, stop)
+        t = self.handle(entry.shard).get_slice(key)[start:stop]
+        if t.shape[0] != stop - start:
+            raise ValueError(f"{entry.shard}: {key} ends before sample {entry.id!r} does")
+        return t
+
+    def forget(self, shard: str) -> None:
+        """Close one shard (its file is about to go)."""
+        if self._pid == os.getpid():
+            self._handles.pop(shard, None)
 
     def close(self) -> None:
         self._handles.clear()
 
 
-def _decoded(shard: MappedShard, key: str, start: int, stop: int, entry: ManifestSample) -> torch.Tensor:
+def _decoded(shard: MappedShard, key: str, start: int, stop: int) -> torch.Tensor:
     """An encoded layer's rows start..stop as a tensor of the job's dtype [rows, hidden]."""
     layout = shard.layout(key)
-    if layout.shape[0] < stop:
-        raise ValueError(f"{entry.shard}: {key} ends before sample {entry.id!r} does")
     rows = shard.rows(key, start, stop)
     return torch.from_numpy(rows).view(DTYPES_BY_CODE[layout.dtype].torch).reshape(stop - start, *layout.shape[1:])

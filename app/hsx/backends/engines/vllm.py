@@ -212,6 +212,18 @@ class VLLMEngine(Engine):
             )
         return ""
 
+    def down_hint(self) -> str:
+        if self.capture.layers_from.startswith("--capture-layers"):
+            return (
+                "; vLLM's own ExampleHiddenStatesConnector kills vLLM's engine at the first finished request on a "
+                "host without CUDA (pin_memory=True requires a CUDA or other accelerator backend): there, run hsx's "
+                "connector instead (deploy/vllm/README.md)"
+            )
+        return (
+            "; deploy/vllm/README.md says what kills the engine of vLLM's CPU build (attention head sizes it has "
+            "no kernel for, bfloat16 on a CPU with AMX)"
+        )
+
     def extract(self, input_ids: list[int], *, rid: str, staged_name: str, expect: Expectation) -> Dump:
         answer = self.client.complete(input_ids, rid, self.model)
         path = self._named_file(answer, rid)

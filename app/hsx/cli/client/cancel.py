@@ -19,7 +19,7 @@ is half-stored); then it is "cancelled". Without --wait the command prints the j
 ("cancelling") and exits 0; with --wait it follows the job until it has finished and exits 0 once it is
 cancelled. Cancelling a job that is already cancelling is not an error; a finished job cannot be cancelled
 (exit 2). --json prints the job (with --wait: the service's answer, then one JSON line per change, the last
-one final).
+one final). A cancelled job can go on later: hsx retry JOB queues the samples the cancel left unrun.
 {ENV_NOTE}
 
 examples:

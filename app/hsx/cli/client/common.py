@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, TextIO
 
 from hsx.states import TERMINAL_JOB_STATES, JobState
+from hsx.wire import CLOCK_FIELDS
 
 if TYPE_CHECKING:
     from hsx.sdk import HsxClient, HsxError, Job
@@ -33,8 +34,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_quiet(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-q", "--quiet", action="store_true", help="show no progress on stderr")
+def add_quiet(parser: argparse.ArgumentParser, help: str = "show no progress on stderr") -> None:
+    parser.add_argument("-q", "--quiet", action="store_true", help=help)
 
 
 def run(args: argparse.Namespace, body: Callable[[HsxClient], int | None]) -> int:
@@ -162,7 +163,7 @@ class Progress:
 
     def __call__(self, job: Job) -> None:
         if self.as_json:
-            key = job.model_dump_json(exclude={"rate_tokens_per_s", "eta_s"})
+            key = job.model_dump_json(exclude=set(CLOCK_FIELDS))
             if key != self.last:
                 print_json(job, self.stream)
                 self.last = key
@@ -191,9 +192,11 @@ class Progress:
             self.drawn = False
 
 
-def follow(hsx: HsxClient, job: Job | str, *, as_json: bool, interval: float = 1.0) -> Job:
-    """Show the job's progress until it is finished; returns the finished job."""
-    progress = Progress(as_json=as_json)
+def follow(
+    hsx: HsxClient, job: Job | str, *, as_json: bool, interval: float = 1.0, stream: TextIO | None = None
+) -> Job:
+    """Show the job's progress on `stream` (stdout by default) until it is finished; returns the finished job."""
+    progress = Progress(as_json=as_json, stream=stream)
     try:
         return hsx.wait(job, poll_s=min(0.5, interval), max_poll_s=interval, on_progress=progress)
     finally:

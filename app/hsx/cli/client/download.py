@@ -37,7 +37,9 @@ examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job id")
     parser.add_argument("dir", metavar="DIR", help="folder to download into (created if missing)")
-    parser.add_argument("--wait", action="store_true", help="wait for the job to finish first")
+    parser.add_argument(
+        "--wait", action="store_true", help="wait for the job to finish first (its progress on stderr, unless -q)"
+    )
     add_quiet(parser)
     add_common(parser)
 
@@ -65,7 +67,10 @@ class DownloadedShard(TypedDict):
 def main(args: argparse.Namespace) -> int:
     def body(hsx: HsxClient) -> int:
         if args.wait:
-            job = follow(hsx, args.job, as_json=args.json) if not args.json else hsx.wait(args.job, max_poll_s=2)
+            if args.json or args.quiet:
+                job = hsx.wait(args.job, max_poll_s=2)
+            else:
+                job = follow(hsx, args.job, as_json=False, stream=sys.stderr)  # stdout: what was downloaded
             if not args.json:
                 print(f"{job.id} {job.state}")
         directory = Path(args.dir)

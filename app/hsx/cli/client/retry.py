@@ -1,4 +1,5 @@
-"""`hsx retry`: queue a job's failed samples again."""
+"""`hsx retry`: queue again what a job has not stored (its failed samples; a cancelled job's cancelled ones): the
+job goes on."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ if TYPE_CHECKING:
     from hsx.sdk import HsxClient
 
 NAME = "retry"
-HELP = "queue a job's failed samples again, with a fresh attempt budget"
-DESCRIPTION = f"""Queue a finished job's failed samples again, each with a fresh attempt budget; the job runs
-again and stores them next to the samples it already has. A job without failed samples cannot be retried
-(exit 2). --json prints the job.
+HELP = "resume a job: queue its failed (and, once cancelled, its cancelled) samples again"
+DESCRIPTION = f"""Resume a job: queue again what it has not stored, each sample with a fresh attempt budget. That
+is its failed samples (a partial or failed job, or a running one), and for a cancelled job also the samples the
+cancel left unrun (conversations never rendered are rendered then). Its stored and skipped samples stay. The job
+runs again from where it stopped: its new shards follow its old ones in its commit feed, and its manifest, written
+again when it ends, lists every stored sample once. A job that is still cancelling, or that has no failed or
+cancelled samples, cannot be retried (exit 2). --json prints the job.
 {ENV_NOTE}
 
-example:
+examples:
   hsx retry job_0123abcd && hsx status job_0123abcd --watch
+  hsx cancel job_0123abcd --wait && hsx retry job_0123abcd    # stop a job now, go on with it later
 """
 
 
@@ -30,9 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     def body(hsx: HsxClient) -> int:
         job = hsx.retry(args.job)
-        print_json(job) if args.json else print(
-            f"{job.id} {job.state}: {job.counts.queued} sample(s) queued again\n{progress_line(job)}"
+        again = f"{job.counts.queued} sample(s) queued" + (
+            f", {job.counts.preparing} conversation(s) to prepare" if job.counts.preparing else ""
         )
+        print_json(job) if args.json else print(f"{job.id} {job.state}: {again}\n{progress_line(job)}")
         return 0
 
     return run(args, body)

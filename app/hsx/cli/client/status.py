@@ -10,6 +10,7 @@ from hsx.cli.client.common import (
     Progress,
     add_common,
     duration,
+    human_bytes,
     outcome,
     print_json,
     progress_line,
@@ -20,12 +21,14 @@ from hsx.cli.client.common import (
 
 if TYPE_CHECKING:
     from hsx.sdk import HsxClient, Job
+    from hsx.sdk.models import Consumer
 
 NAME = "status"
 HELP = "show a job's progress (bar, rate, ETA); --watch follows it until it finishes"
-DESCRIPTION = f"""Show a job's state and progress: samples and tokens extracted, rate, ETA, failures, and its
-attempts: how many ended ok, were retried or failed, the retries by reason code, and the samples waiting for
-another attempt.
+DESCRIPTION = f"""Show a job's state and progress: samples and tokens extracted, rate, ETA, failures, its time
+since it was created (with the time its conversations took to be prepared and the time spent extracting apart),
+and its attempts: how many ended ok, were retried or failed, the retries by reason code, and the samples waiting for
+another attempt; and for a job that trainers follow, its retention and each consumer's position and lag.
 
 On a terminal, --watch redraws one progress line in place until the job is succeeded, partial, failed or
 cancelled (exit 0 when it succeeded, 3 when partial: some samples failed, 1 otherwise); when the output
@@ -48,23 +51,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def describe(job: Job) -> list[str]:
-    encoding = job.options.encoding
     lines = [
         f"{job.id}  {job.name or '-'}  created {when(job.created_at)}"
         + (f"  layers {job.layers}" if job.layers else "")
-        + (f"  encoding {encoding}" if encoding != "raw" else "")
+        + f"  encoding {job.options.encoding}"
     ]
-    if job.finished_at and job.started_at:
-        lines.append(
-            f"finished {when(job.finished_at)} after "
-            f"{duration((job.finished_at - job.started_at).total_seconds())}, "
-            f"{job.shards_written} shard(s)"
-        )
+    if job.finished_at:
+        lines.append(f"finished {when(job.finished_at)} after {time_spent(job)}, {job.shards_written} shard(s)")
+    else:
+        lines.append(f"elapsed {time_spent(job)}")
     if job.error:
         lines.append(f"error: {job.error}")
     if job.warning:
         lines.append(f"warning: {job.warning}")
     return lines + attempt_lines(job)
+
+
+def time_spent(job: Job) -> str:
+    """Its time since it was created, with the time its conversations took to be prepared and the time since
+    its first sample was claimed apart (the two overlap: extraction starts with the first conversation
+    prepared)."""
+    parts = [
+        f"{what} {duration(seconds)}"
+        for what, seconds in (("preparing", job.preparing_s), ("extracting", job.extracting_s))
+        if seconds is not None
+    ]
+    return duration(job.elapsed_s) + (f" ({', '.join(parts)})" if parts else "")
 
 
 def attempt_lines(job: Job) -> list[str]:
@@ -83,6 +95,20 @@ def attempt_lines(job: Job) -> list[str]:
     return lines
 
 
+def consumer_lines(job: Job, consumers: list[Consumer]) -> list[str]:
+    """The job's retention and back-pressure, and each consumer: how far its ranks have read, its lag."""
+    options = job.options
+    lines = []
+    if options.retention != "keep" or options.max_unread_bytes is not None:
+        limit = f", at most {human_bytes(options.max_unread_bytes)} unread" if options.max_unread_bytes else ""
+        lines.append(f"retention {options.retention}{limit}")
+    for c in consumers:
+        ranks = f"{len(c.ranks)} of {c.world_size} rank(s) acknowledged" if c.world_size else "nothing acknowledged"
+        lag = f"lag {c.lag_shards} shard(s), {human_bytes(c.lag_bytes)}"
+        lines.append(f"consumer {c.name}: read to seq {c.read_seq}, {ranks}; {lag}")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     def body(hsx: HsxClient) -> int:
         if not args.watch:
@@ -90,7 +116,8 @@ def main(args: argparse.Namespace) -> int:
             if args.json:
                 print_json(job)
             else:
-                print("\n".join([*describe(job), progress_line(job), *filter(None, [waiting_line(job)])]))
+                readers = consumer_lines(job, hsx.consumers(job))
+                print("\n".join([*describe(job), progress_line(job), *filter(None, [waiting_line(job)]), *readers]))
             return 0
         progress = Progress(as_json=args.json)
         if not args.json:

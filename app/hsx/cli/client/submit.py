@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from hsx.cli.client.common import ENV_NOTE, UsageError, add_common, add_quiet, follow, outcome, print_json, run
 from hsx.cli.progress import PROGRESS_NOTE, progress
-from hsx.layers import ANY_LAYERS, DEFAULT_LAYER_SET, LAYER_SETS, layer_choice_arg
+from hsx.layers import ANY_LAYERS, DEFAULT_LAYER_SET, LAYER_SETS, layer_choice_arg, shown_choice
 from hsx.wire import Encoding, InvalidPolicy, JobOptions, LengthPolicy, LossPolicy, RegenerateOptions, SeedIgnored
 
 if TYPE_CHECKING:
@@ -37,14 +37,18 @@ samples from refusing the whole file: they are counted as skipped, each with its
 --encoding lossless stores the hidden states compressed, bit for bit (about 0.7x the bytes of bfloat16);
 --encoding fp8 as float8_e4m3fn with a float32 scale per row (about 0.5x, each value within 1/28 of its
 row's largest magnitude). Every reader decodes them.
-With --wait the job's progress is followed until it finishes: exit 0 when it succeeded (every sample
-not skipped is stored), 3 when it is partial (some samples failed: see hsx samples JOB --state failed),
-1 when it failed (nothing stored) or was cancelled.
+The job's id comes first on stdout, then what it holds. With --wait the job is followed until it
+finishes, its progress on stderr: exit 0 when it succeeded (every sample not skipped is stored), 3 when it
+is partial (some samples failed: see hsx samples JOB --state failed), 1 when it failed (nothing stored) or
+was cancelled; how it ended is said on stderr unless it succeeded. -q prints the job's id alone on stdout
+and no progress, for scripts: JOB=$(hsx submit FILE -q --wait) sets JOB, and the exit status says how the
+job ended (errors still go to stderr).
 The upload of FILE shows its progress in bytes. {PROGRESS_NOTE}
 {ENV_NOTE}
 
 examples:
   hsx submit samples.jsonl --name run1 --wait
+  JOB=$(hsx submit samples.jsonl -q --wait) || echo "job $JOB did not succeed"
   hsx submit conversations.jsonl --name chat1 --max-length 2048 --length-policy truncate --wait
   hsx submit --input-path run1.jsonl --layers 2,4,5,8 --idempotency-key run1 --json
   hsx submit samples.jsonl --name run2 --encoding lossless --wait
@@ -61,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SET|LIST",
         help=f"what the job's trainer reads: a named set ({', '.join([*LAYER_SETS, ANY_LAYERS])}; default "
         f"{DEFAULT_LAYER_SET}: EAGLE-3's three aux layers and the last after the final norm, for SpecForge and "
-        "Model Optimizer; eagle3_pre_norm for vLLM speculators) or layers such as 2,4,5,8; the job runs only on "
-        "workers whose server gives them, and says what it waits for",
+        "Model Optimizer; eagle3_pre_norm for vLLM speculators; dflash for DeepSpec's DFlash and DSpark), layers "
+        "such as 2,4,5,8, or several sets and layers such as eagle3,dflash (their union captured once, each set "
+        "read back by name); the job runs only on workers whose server gives them, and says what it waits for",
     )
     parser.add_argument("--idempotency-key", help="repeating a submission with the same key returns the first job")
     add_policy_arguments(parser)
@@ -73,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="seconds between progress updates with --wait (default: %(default)s)",
     )
-    add_quiet(parser)
+    add_quiet(parser, help="print only the job's id on stdout: no upload meter, no progress (errors still on stderr)")
     add_common(parser)
 
 
@@ -185,13 +190,44 @@ def _checked(options: dict[str, Any]) -> JobOptions:
         raise UsageError(problems) from None
 
 
+def _created(job: Job, args: argparse.Namespace) -> None:
+    """What stdout says of the job just created: its id first (alone with -q), then what it holds; with --json
+    and no --wait, the job."""
+    if args.json:
+        if not args.wait:
+            print_json(job)
+        return
+    if args.quiet:
+        print(job.id, flush=True)
+        return
+    print(
+        f"{job.id} {job.state}: {job.counts.total} samples, {job.tokens.total} tokens"
+        + (f", {job.counts.preparing} conversations to render" if job.counts.preparing else "")
+        + (f", {job.counts.skipped} skipped" if job.counts.skipped else "")
+        + (f" ({job.name})" if job.name else ""),
+        flush=True,
+    )
+
+
+def _wait(hsx: HsxClient, job: Job, args: argparse.Namespace) -> int:
+    """Follow the job to its end; the exit status says how it ended."""
+    if args.json or args.quiet:
+        final = hsx.wait(job, poll_s=min(0.5, args.interval), max_poll_s=args.interval)
+        if args.json:
+            print_json(final)
+    else:
+        # stdout carries what scripts read (the job's id first); the progress is for the person watching
+        final = follow(hsx, job, as_json=False, interval=args.interval, stream=sys.stderr)
+    return outcome(final, as_json=args.json)
+
+
 def main(args: argparse.Namespace) -> int:
     def body(hsx: HsxClient) -> int:
         if (args.file is None) == (args.input_path is None):
             raise UsageError("give exactly one of FILE or --input-path")
         options = {
             "name": args.name,
-            "layers": args.layers,
+            "layers": None if args.layers is None else shown_choice(args.layers),
             "idempotency_key": args.idempotency_key,
             "options": _checked(job_options(args)),
         }
@@ -202,23 +238,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             with _open_jsonl(args.file) as source:
                 job = _upload(hsx, source, args, options)
-        if not args.json:
-            print(
-                f"{job.id} {job.state}: {job.counts.total} samples, {job.tokens.total} tokens"
-                + (f", {job.counts.preparing} conversations to render" if job.counts.preparing else "")
-                + (f", {job.counts.skipped} skipped" if job.counts.skipped else "")
-                + (f" ({job.name})" if job.name else ""),
-                flush=True,
-            )
-        if not args.wait:
-            if args.json:
-                print_json(job)
-            return 0
-        if args.json:
-            final = hsx.wait(job, poll_s=min(0.5, args.interval), max_poll_s=args.interval)
-            print_json(final)
-        else:
-            final = follow(hsx, job, as_json=False, interval=args.interval)
-        return outcome(final, as_json=args.json)
+        _created(job, args)
+        return _wait(hsx, job, args) if args.wait else 0
 
     return run(args, body)

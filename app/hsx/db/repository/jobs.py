@@ -245,28 +245,34 @@ def cancel_queued(session: Session, job_id: str, limit: int) -> int:
     )
 
 
-def retry_failed(session: Session, job_id: str) -> int | None:
-    """Queue the job's failed samples again with a fresh attempt budget. None: not allowed now."""
+# What a retry queues again: the samples a job has not stored and did not leave out by its policy.
+RETRIED = (SampleState.FAILED, SampleState.CANCELLED)
+
+
+def retry_job(session: Session, job_id: str) -> int | None:
+    """Queue again what the job has not stored: its failed samples and, for a cancelled job, those the
+    cancel left unrun, each with a fresh attempt budget (conversations never rendered are prepared again).
+    Its stored and skipped samples stay as they are, so the job goes on: its next shard takes the next
+    number and the next feed position. Returns how many went back; None when not allowed now (the job is
+    being cancelled, or has nothing to queue again)."""
     job = lock_job(session, job_id)
-    if job is None or job.state in (JobState.CANCELLING, JobState.CANCELLED) or job.n_failed == 0:
+    if job is None or job.state == JobState.CANCELLING or not (job.n_failed or job.n_cancelled):
         return None
-    # Conversations that failed before they had token ids (their generation, say) are prepared again.
-    unprepared = list(
-        session.execute(
-            select(SampleRow.pk).where(
-                SampleRow.job_id == job_id, SampleRow.state == SampleState.FAILED, SampleRow.num_tokens == 0
-            )
-        ).scalars()
-    )
-    fresh = {"attempts": 0, "writer": None, "last_error": None}
-    moved = transition(session, job_id, unprepared, SampleState.FAILED, SampleState.PREPARING, fresh)
-    moved += transition(session, job_id, ALL, SampleState.FAILED, SampleState.QUEUED, {"attempts": 0, "writer": None})
+    moved = 0
+    for state in RETRIED:
+        # Conversations that never had token ids (cancelled or failed before, or in, their preparation)
+        # go back to their preparation.
+        unprepared = SampleRow.num_tokens == 0
+        fresh = {"attempts": 0, "writer": None, "last_error": None}
+        moved += transition(session, job_id, ALL, state, SampleState.PREPARING, fresh, where=unprepared)
+        moved += transition(session, job_id, ALL, state, SampleState.QUEUED, {"attempts": 0, "writer": None})
     session.execute(
         update(JobRow)
         .where(JobRow.id == job_id)
         .values(
             state=case((JobRow.started_at.is_(None), JobState.QUEUED), else_=JobState.RUNNING),
             finished_at=None,
+            cancel_requested_at=None,
             error=None,
         )
     )

@@ -57,7 +57,7 @@ def sample_attempts(session: Session, sample_pk: int) -> list[AttemptRow]:
 
 
 def job_shards(session: Session, job_id: str) -> list[ShardRow]:
-    return list(session.execute(select(ShardRow).where(ShardRow.job_id == job_id).order_by(ShardRow.name)).scalars())
+    return list(session.execute(select(ShardRow).where(ShardRow.job_id == job_id).order_by(ShardRow.seq)).scalars())
 
 
 def get_shard(session: Session, job_id: str, name: str) -> ShardRow | None:

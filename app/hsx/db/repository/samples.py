@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     BindParameter,
     ColumnElement,
     Select,
     Update,
+    and_,
     bindparam,
     case,
     exists,
@@ -69,8 +71,7 @@ def claim_next(session: Session, writer: str, serves: Serves | None = None) -> C
     params = {
         "p_writer": writer,
         "p_now": now,
-        "p_layers": serves.layers,
-        "p_sets": list(serves.sets),
+        "p_keys": served_keys(session, serves) if serves.layers is not None else [],
         "p_model": serves.model,
     }
     job_id = session.execute(statements.job, params).scalar()
@@ -103,6 +104,20 @@ def claim_next(session: Session, writer: str, serves: Serves | None = None) -> C
     )
 
 
+def served_keys(session: Session, serves: Serves) -> list[str]:
+    """The layers keys of the active jobs that a worker serving `serves` may claim from: whether a key is
+    served takes the worker's model (its depth, its side of the final norm) and is decided in Python
+    (hsx.matching.Serves.gives), so the claim filters on plain equality with these, the same on every
+    database. There are few active jobs, and fewer distinct keys."""
+    return [key for key in session.execute(_active_keys()).scalars() if serves.gives(key)]
+
+
+@functools.cache
+def _active_keys() -> Select[Any]:
+    active = (JobState.QUEUED, JobState.RUNNING)
+    return select(JOBS.c.layers_key).where(JOBS.c.state.in_(active), JOBS.c.layers_key.is_not(None)).distinct()
+
+
 @dataclass(frozen=True)
 class _ClaimStatements:
     job: Any  # the oldest job the worker may claim from that has a queued sample, locked
@@ -111,22 +126,45 @@ class _ClaimStatements:
     attempt: Any  # the attempt's row
 
 
+def in_flight_bytes() -> ColumnElement[Any]:
+    """About the bytes a job's staged and running samples will add to its shards: its estimate per token
+    times its staged tokens, per sample times its running samples (0 where it has no estimate: a
+    conversation job's size is known only once rendered)."""
+    per_token = JOBS.c.estimated_bytes // func.nullif(JOBS.c.tokens_total, 0, type_=BigInteger)
+    per_sample = JOBS.c.estimated_bytes // func.nullif(JOBS.c.num_samples, 0, type_=BigInteger)
+    return func.coalesce(per_token * JOBS.c.tokens_staged, 0) + func.coalesce(per_sample * JOBS.c.n_running, 0)
+
+
+def held_back() -> ColumnElement[bool]:
+    """A job whose consumers have not read enough (JobOptions.max_unread_bytes): its unread shards and
+    what is in flight reach its limit, so writers claim none of its samples until they read more."""
+    return and_(
+        JOBS.c.max_unread_bytes.is_not(None), JOBS.c.unread_bytes + in_flight_bytes() >= JOBS.c.max_unread_bytes
+    )
+
+
+def held_back_jobs(session: Session, job_ids: list[str]) -> set[str]:
+    """Which of these jobs wait for their consumers to read (see held_back)."""
+    if not job_ids:
+        return set()
+    return set(session.execute(select(JOBS.c.id).where(JOBS.c.id.in_(job_ids), held_back())).scalars())
+
+
 @functools.cache
 def _claim(dialect: str, by_layers: bool, by_model: bool) -> _ClaimStatements:
     # The queued rows themselves, not the n_queued counter, say whether a job has work: a job can
     # never be picked for nothing while another waits.
     has_queued = exists().where(SAMPLES.c.job_id == JOBS.c.id, SAMPLES.c.state == SampleState.QUEUED)
-    # hsx.matching: jobs of no key yet, or of the worker's own (its layers' key, or a layer set it gives)
+    # hsx.matching: jobs of no key yet, or of a key the worker serves (served_keys)
     runs_on = []
     if by_layers:
-        key = JOBS.c.layers_key
-        sets: BindParameter[list[str]] = bindparam("p_sets", expanding=True)
-        runs_on.append(or_(key.is_(None), key == bindparam("p_layers"), key.in_(sets)))
+        keys: BindParameter[list[str]] = bindparam("p_keys", expanding=True)
+        runs_on.append(or_(JOBS.c.layers_key.is_(None), JOBS.c.layers_key.in_(keys)))
     if by_model:
         runs_on.append(or_(JOBS.c.model_key.is_(None), JOBS.c.model_key == bindparam("p_model")))
     job = (
         select(JOBS.c.id)
-        .where(JOBS.c.state.in_((JobState.QUEUED, JobState.RUNNING)), *runs_on, has_queued)
+        .where(JOBS.c.state.in_((JobState.QUEUED, JobState.RUNNING)), *runs_on, has_queued, ~held_back())
         .order_by(JOBS.c.id)
         .limit(1)
         .with_for_update(of=JOBS)

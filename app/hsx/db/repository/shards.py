@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from hsx.db.models import JobRow, ShardRow
 from hsx.db.repository._base import PKS_PER_QUERY, utcnow
+from hsx.db.repository.feed import next_seq
 from hsx.db.repository.transitions import transition
 from hsx.states import SampleState
 
@@ -35,11 +36,13 @@ def commit_shard(
     placed: list[tuple[int, int, int]],
     layer_stats: dict[str, Any] | None = None,
 ) -> None:
-    """Record a written shard and mark its samples succeeded. `placed`: (pk, offset, tokens);
-    `layer_stats`: what an encoded shard stored per layer (ShardRow.layer_stats)."""
+    """Record a written shard, the job's next in its commit feed, and mark its samples succeeded. `placed`:
+    (pk, offset, tokens); `layer_stats`: what an encoded shard stored per layer (ShardRow.layer_stats)."""
+    seq = next_seq(session, job_id, nbytes)
     session.execute(
         insert(ShardRow).values(
             job_id=job_id,
+            seq=seq,
             name=name,
             bytes=nbytes,
             sha256=sha256,

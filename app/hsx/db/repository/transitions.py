@@ -3,7 +3,7 @@
 A sample's life: queued -> running -> staged -> succeeded, or back to queued for a retry,
 or failed / cancelled. Each move is a conditional UPDATE on the source state, and the job's
 per-state counters move in the same transaction (n_requeued too: the queued samples tried before),
-so progress never needs to count rows.
+so progress never needs to count rows; so does prepared_at, when the last conversation leaves `preparing`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, Update, bindparam, case, cast, func, select, update
+from sqlalchemy import ColumnElement, Select, Update, bindparam, case, cast, func, null, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import ReturningUpdate
 
@@ -44,11 +44,12 @@ def transition(
     values: dict[str, Any],
     *,
     through_idx: int | None = None,
+    where: ColumnElement[bool] | None = None,
     per_sample: dict[str, dict[int, Any]] | None = None,
 ) -> int:
-    """Move the samples (`pks`, or ALL of the job's, only those up to `through_idx` when given) that
-    are still in `src` to `dst`; keep the job's counters in step. `values` are set on every sample
-    moved, `per_sample` column values on each sample by its pk.
+    """Move the samples (`pks`, or ALL of the job's, only those up to `through_idx` and those `where`
+    holds for when given) that are still in `src` to `dst`; keep the job's counters in step. `values`
+    are set on every sample moved, `per_sample` column values on each sample by its pk.
 
     Lock order: the job row first, then sample rows, here and in claim_next, so that no two
     transitions on one job can deadlock and none can change a state's membership behind another.
@@ -64,6 +65,8 @@ def transition(
         which = [SampleRow.job_id == job_id, SampleRow.state == src]
         if through_idx is not None:
             which.append(SampleRow.idx <= through_idx)
+        if where is not None:
+            which.append(where)
         rc, tokens, tried = session.execute(
             select(
                 func.count(),
@@ -99,7 +102,8 @@ def transition(
         rc, tokens, tried = len(moved), sum(n for n, _ in moved), sum(1 for _, t in moved if t > 0)
     if rc:
         session.execute(
-            _job_counters(src, dst), {"p_job": job_id, "p_rc": rc, "p_tokens": tokens, "p_tried": int(tried)}
+            _job_counters(src, dst),
+            {"p_job": job_id, "p_rc": rc, "p_tokens": tokens, "p_tried": int(tried), "p_now": now},
         )
     return rc
 
@@ -138,6 +142,13 @@ def _job_counters(src: SampleState, dst: SampleState) -> Update:
             changes[col] = col - bindparam("p_tokens")
         if state == dst:
             changes[col] = col + bindparam("p_tokens")
+    # The job's preparation ends when its last conversation leaves `preparing` (prepared, cancelled or
+    # failed), and starts over when a retry sends conversations back to it.
+    prepared_at = JOBS.c.prepared_at
+    if src == SampleState.PREPARING:
+        changes[prepared_at] = case((src_col - bindparam("p_rc") == 0, now_param()), else_=prepared_at)
+    if dst == SampleState.PREPARING:
+        changes[prepared_at] = null()
     return update(JOBS).where(JOBS.c.id == bindparam("p_job")).values(changes)
 
 
