@@ -428,10 +428,11 @@ def test_exports_of_an_fp8_job_are_decoded_or_fp8_as_speculators_writes_it(tmp_p
     raw, _ = llama_job(tmp_path / "raw", llama, lengths=(5, 1, 30))
     norm = {"final_norm_weight": tmp_path / "checkpoint"}
     export_job("speculators", job.job_dir, tmp_path / "decoded", **norm)
-    export_job("speculators", job.job_dir, tmp_path / "fp8-out", fp8=True, **norm)
+    carried_export = export_job("speculators", job.job_dir, tmp_path / "fp8-out", fp8=True, **norm)
     export_job("speculators", raw.job_dir, tmp_path / "raw-out", **norm)
     with pytest.raises(ExportRefused, match="encoding is raw"):
         export_job("speculators", raw.job_dir, tmp_path / "refused", fp8=True, **norm)
+    largest = 0.0
     for idx in range(3):
         name = f"hidden_states/hs_{idx}.safetensors"
         truth = load_file(tmp_path / "raw-out" / name)["hidden_states"]
@@ -452,3 +453,13 @@ def test_exports_of_an_fp8_job_are_decoded_or_fp8_as_speculators_writes_it(tmp_p
             assert float(last.max()) <= 4 / 28
         # the aux layers carry the stored codes: decoded by hand they are the decoded export
         assert torch.equal(dequantized[:, :3], decoded["hidden_states"][:, :3])
+        # the last layer, quantized anew from the decoded export's rows: the file says what that added
+        with safe_open(str(tmp_path / "fp8-out" / name), framework="pt") as f:
+            metadata = f.metadata()
+        assert "--hidden-states-backend fp8" in metadata["hsx_fp8_layout"]
+        added = relative_errors(decoded["hidden_states"][:, -1], dequantized[:, -1])
+        said = float(metadata["hsx_last_layer_requantized_max_error"])
+        assert said == pytest.approx(float(added.max()), rel=1e-4, abs=1e-7)
+        largest = max(largest, said)
+    (note,) = [n for n in carried_export.notes if "quantized anew" in n]
+    assert f"up to {largest:.4g} of each row's largest magnitude" in note

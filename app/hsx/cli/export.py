@@ -29,7 +29,9 @@ Layers follow hsx's numbering (0 = embeddings, k = decoder layer k, L = after th
 L, the post-norm layers and the model type come from the manifest where it records them; the
 EAGLE-3 capture is [2, L//2, L-3, L]. A job whose layers do not fit the target is refused (exit 1).
 A job stored lossless or in fp8 is exported decoded (in the job's dtype); speculators --fp8 instead
-keeps an fp8 job's codes with their scales, as speculators' own FP8 backend writes and reads them.
+keeps an fp8 job's codes with their scales, as speculators' own FP8 backend writes and reads them
+(speculators 0.9.0 or newer, trained with --hidden-states-backend fp8; older releases and its default
+file backend read the codes without their scales: wrong values, and no error).
 Rerunning into the same folder skips files already complete; every file is written atomically.
 --workers N processes write the files (the same files, byte for byte, whatever N). The files written
 so far are shown as progress. {PROGRESS_NOTE.replace("--json or ", "")}

@@ -101,8 +101,9 @@ TARGETS = {
             Option(
                 "fp8",
                 "a job stored in fp8: write its float8_e4m3fn codes and their scales (hidden_states_scales) as "
-                "speculators' own FP8 backend does, for its reader to multiply in (default: decoded, in the job's "
-                "dtype)",
+                "speculators' own FP8 backend does, for its reader to multiply in: speculators 0.9.0 or newer, "
+                "trained with --hidden-states-backend fp8; its default file backend and older releases read "
+                "the codes unscaled (default: decoded, in the job's dtype, which every release reads)",
                 bool,
                 default=False,
             ),

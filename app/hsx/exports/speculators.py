@@ -28,7 +28,13 @@ FP8HiddenStatesConnector) writes them, `hidden_states` float8_e4m3fn [T, n_layer
 `hidden_states_scales` float32, which its reader (FP8Transfer) multiplies in on load. speculators' writer
 keeps one scale per token, [T, 1, 1]; these files keep hsx's one per token and layer, [T, n_layers, 1],
 which the same multiplication broadcasts, so no layer is quantized twice, except a last layer whose
-norm's scale is divided out: that one is quantized anew (a scale per row) from its decoded values.
+norm's scale is divided out: that one is quantized anew (a scale per row) from its decoded values, and
+each file's safetensors metadata records the error that adds (FP8_REQUANTIZED_ERROR). Only a reader that
+multiplies the scales in reads these files right: hs-connectors' fp8 backend, first released with
+speculators 0.9.0 (`--hidden-states-backend fp8`). speculators' default file backend, and any release
+before 0.9.0, loads the codes without their scales; such a reader ignores metadata, so nothing in the file
+can stop it: the metadata's FP8_LAYOUT names the layout and the reader for whoever looks, and the docs
+and `hsx export --help` say it.
 """
 
 from __future__ import annotations
@@ -66,6 +72,17 @@ RMS_TOLERANCE = 0.02
 ONE_PLUS_WEIGHT_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next"})
 # A file's hidden_states are put together and written this many bytes of rows at a time.
 BLOCK_BYTES = 8 * 1024 * 1024
+# The speculators release whose hidden-states reader (hs-connectors' fp8 backend) multiplies the scales in.
+FP8_READER = "speculators>=0.9.0 (hs-connectors>=0.9.0), trained with --hidden-states-backend fp8"
+# Each --fp8 file's safetensors metadata: what the layout is and who reads it...
+FP8_LAYOUT = "hsx_fp8_layout"
+FP8_LAYOUT_VALUE = (
+    "hidden_states float8_e4m3fn [T, n_layers, H] times hidden_states_scales float32 [T, n_layers, 1]; "
+    f"read with {FP8_READER}; a reader that ignores the scales reads wrong values"
+)
+# ...and, where the last layer was quantized anew, the largest error that added: each value's distance from
+# the decoded, unnormed row it was quantized from, relative to that row's largest magnitude.
+FP8_REQUANTIZED_ERROR = "hsx_last_layer_requantized_max_error"
 
 
 def default_norm_offset(model_type: str | None) -> float:
@@ -130,6 +147,9 @@ class SpeculatorsExporter(Exporter):
                 "export it without --fp8"
             )
         self.fp8 = fp8
+        # The largest error quantizing the last layer anew added, over the files written or found
+        # (finalize); None where nothing was quantized anew.
+        self.requantized_error: float | None = None
         self.num_layers = require_num_layers(job, num_layers)
         aux_layers = layer_set_aux(job, self.target, layer_set, aux_layers, self.num_layers)
         self.aux_layers = list(aux_layers) if aux_layers is not None else eagle3_aux_layers(self.num_layers)
@@ -200,9 +220,20 @@ class SpeculatorsExporter(Exporter):
             *(
                 [
                     "hidden_states float8_e4m3fn with hidden_states_scales [T, n_layers, 1]: read them with "
-                    "speculators' FP8 backend (hs_connectors' FP8Transfer), which multiplies the scales in"
+                    f"{FP8_READER}, which multiplies the scales in; speculators' default file backend and "
+                    "releases before 0.9.0 read the codes without their scales, wrong values with no error"
                 ]
                 if self.fp8
+                else []
+            ),
+            *(
+                [
+                    f"the last layer was quantized anew after the norm's scale was divided out: up to "
+                    f"{self.requantized_error:.4g} of each row's largest magnitude from its decoded values, on "
+                    "top of the job's own fp8 error (the manifest's max_error); each file's metadata has its "
+                    f"own ({FP8_REQUANTIZED_ERROR})"
+                ]
+                if self.requantized_error is not None
                 else []
             ),
             f"{SAMPLES_NAME}: one row per hs_<index> with input_ids, loss_mask and seq_len; build the "
@@ -263,18 +294,33 @@ class SpeculatorsExporter(Exporter):
                 states[:, -1].copy_(self.unnormed_last(last, entry.id, start))
             f.write(out.reshape(-1).data)
 
-    def _fp8_rows(self, rows: SampleRows, key: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """A layer's codes and scales of the sample's rows start..stop: as stored, or for a last layer
-        whose norm's scale is divided out, its decoded rows divided and quantized anew."""
+    def _fp8_rows(
+        self, rows: SampleRows, key: str, start: int, stop: int
+    ) -> tuple[np.ndarray, np.ndarray, float | None]:
+        """A layer's codes and scales of the sample's rows start..stop, and the error quantizing added:
+        as stored (None), or for a last layer whose norm's scale is divided out, its decoded rows divided
+        and quantized anew."""
         if self.scale is None or key != layer_key(self.num_layers):
-            return rows.fp8(key, start, stop)
+            return (*rows.fp8(key, start, stop), None)
         last = rows.as_tensor(key, rows.raw(key, start, stop))
         quantized = fp8.quantize(self.unnormed_last(last, rows.entry.id, start).numpy())
-        return quantized.codes, quantized.scales
+        return quantized.codes, quantized.scales, quantized.max_error
 
     def _encode_fp8(self, f: BinaryIO, rows: SampleRows, entry: ManifestSample) -> None:
         keys = [layer_key(i) for i in self.target_layer_ids]
         t, n, hidden = rows.num_tokens, len(keys), self.job.hidden_size
+        step = max(1, BLOCK_BYTES // (n * hidden))
+        scales = np.empty((t, n), dtype="<f4")
+        added: float | None = None
+        for start in range(0, t, step):
+            stop = min(start + step, t)
+            for j, key in enumerate(keys):
+                _, scales[start:stop, j], error = self._fp8_rows(rows, key, start, stop)
+                if error is not None:
+                    added = max(added or 0.0, error)
+        metadata = {FP8_LAYOUT: FP8_LAYOUT_VALUE}
+        if added is not None:
+            metadata[FP8_REQUANTIZED_ERROR] = repr(added)
         # safetensors' own order: by dtype, widest first (the 8-byte ids, the scales, the codes)
         f.write(
             encode_header(
@@ -283,16 +329,10 @@ class SpeculatorsExporter(Exporter):
                     ("hidden_states_scales", "F32", (t, n, 1)),
                     ("hidden_states", "F8_E4M3", (t, n, hidden)),
                 ],
-                None,
+                metadata,
             )
         )
         f.write(rows.tensor("input_ids", torch.int64).numpy().data.cast("B"))
-        step = max(1, BLOCK_BYTES // (n * hidden))
-        scales = np.empty((t, n), dtype="<f4")
-        for start in range(0, t, step):
-            stop = min(start + step, t)
-            for j, key in enumerate(keys):
-                scales[start:stop, j] = self._fp8_rows(rows, key, start, stop)[1]
         f.write(scales.reshape(-1).data.cast("B"))
         block = np.empty((min(step, t), n * hidden), dtype=np.uint8)
         for start in range(0, t, step):
@@ -302,6 +342,8 @@ class SpeculatorsExporter(Exporter):
             f.write(out.reshape(-1).data)
 
     def finalize(self, out_dir: Path, reader: ShardReader, changed: bool) -> list[str]:
+        if self.fp8 and self.scale is not None:
+            self.requantized_error = self._largest_requantized_error(out_dir)
         path = out_dir / SAMPLES_NAME
         if changed or not path.exists():
             with atomic_file(path) as f:
@@ -316,3 +358,13 @@ class SpeculatorsExporter(Exporter):
                     }
                     f.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
         return [SAMPLES_NAME]
+
+    def _largest_requantized_error(self, out_dir: Path) -> float:
+        """The largest FP8_REQUANTIZED_ERROR of the files' metadata (their headers only)."""
+        largest = 0.0
+        for planned in self.plan():
+            with safe_open(str(out_dir / planned.rel_path), framework="pt") as f:
+                said = (f.metadata() or {}).get(FP8_REQUANTIZED_ERROR)
+            if said is not None:
+                largest = max(largest, float(said))
+        return largest
