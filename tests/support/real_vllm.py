@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import random
+import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,65 @@ class VLLM(EngineServer):
         return args, {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **self.env}
 
 
+VLLM_README = Path(__file__).resolve().parents[2] / "deploy" / "vllm" / "README.md"
+
+
+@dataclass(frozen=True)
+class ReadmeLaunch:
+    """deploy/vllm/README.md's "On a CPU host" block, as written: the server's environment and command, and
+    the layers hsx is told (`hsx serve --capture-layers`)."""
+
+    env: dict[str, str]
+    command: list[str]
+    capture_layers: list[int]
+
+    @classmethod
+    def read(cls) -> ReadmeLaunch:
+        section = VLLM_README.read_text().split("### On a CPU host", 1)[1]
+        block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+        install, rest = block.split("\n", 1)
+        # vllm-env.sh installs the package the same way, so the block's first line is what the tests run
+        assert install.split("#")[0].split() == ["pip", "install", "./deploy/vllm"], install
+        lexer = shlex.shlex(rest, posix=True, punctuation_chars="&")
+        lexer.whitespace_split = True
+        tokens = list(lexer)
+        server, hsx = tokens[: tokens.index("&")], tokens[tokens.index("&") + 1 :]
+        assignments = [t for t in server if "=" in t and t.split("=", 1)[0].isupper()]
+        env = dict(a.split("=", 1) for a in assignments)
+        capture = hsx[hsx.index("--capture-layers") + 1]
+        return cls(env, server[len(assignments) :], [int(x) for x in capture.split(",")])
+
+    def args(self, python: str, model: Path, port: int, storage: Path, connector: tuple[str, str]) -> list[str]:
+        """The command with this machine's python, model, port and folder put in, nothing else changed; it
+        must launch `connector`."""
+        args = list(self.command)
+        assert args[0] == "python", args
+        args[0] = python
+        args[args.index("--model") + 1] = str(model)
+        args[args.index("--port") + 1] = str(port)
+        at = args.index("--kv-transfer-config") + 1
+        transfer = json.loads(args[at])
+        assert (transfer["kv_connector"], transfer["kv_connector_module_path"]) == connector, transfer
+        transfer["kv_connector_extra_config"]["shared_storage_path"] = str(storage)
+        args[at] = json.dumps(transfer)
+        speculative = json.loads(args[args.index("--speculative-config") + 1])
+        assert speculative["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == (
+            self.capture_layers
+        ), "the block's --capture-layers are its launch's layer ids"
+        return args
+
+
+@dataclass
+class ReadmeVLLM(VLLM):
+    """The server deploy/vllm/README.md's "On a CPU host" block launches (ReadmeLaunch)."""
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        launch = ReadmeLaunch.read()
+        assert launch.capture_layers == self.layers, (launch.capture_layers, self.layers)
+        args = launch.args(self.python, self.model_path, self.port, self.storage, self.connector)
+        return args, {**launch.env, "HF_HUB_OFFLINE": "1", **self.env}
+
+
 def read_hidden_states(path: str) -> dict[str, torch.Tensor]:
     """A file the connector wrote, read once its write has ended: the server holds an exclusive
     flock on `<path>.lock` from scheduling until the write ends, and the answer naming the file
@@ -152,16 +212,26 @@ def stored(svc: Service, job: dict[str, Any], layers: list[int], dtype: str) -> 
 
 
 def largest_difference(
-    svc: Service, m: torch.nn.Module, job: dict[str, Any], samples: list[dict[str, Any]], layers: list[int]
+    svc: Service,
+    m: torch.nn.Module,
+    job: dict[str, Any],
+    samples: list[dict[str, Any]],
+    layers: list[int],
+    relative: bool = False,
 ) -> float:
-    """Every stored tensor of a float32 job against the recomputation of its own ids: the largest difference."""
+    """Every stored tensor of a float32 job against the recomputation of its own ids: the largest difference,
+    or with `relative`, the largest of each row's difference over that row's largest magnitude (a bound
+    that does not depend on the model's scale)."""
     folder, manifest = stored(svc, job, layers, "float32")
     worst = 0.0
     for s in samples:
         got = read_sample(folder, manifest, s["id"])
         assert got["input_ids"].tolist() == s["input_ids"]
         for k, want in truth(m, s["input_ids"], layers).items():
-            worst = max(worst, (got[f"layer_{k}"] - want).abs().max().item())
+            diff = (got[f"layer_{k}"] - want).abs()
+            if relative:
+                diff = diff.amax(dim=-1) / want.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+            worst = max(worst, diff.max().item())
     return worst
 
 

@@ -23,7 +23,8 @@ from hsx.backends.engine import CaptureProblem, Look, Server, ServerDown
 from hsx.backends.engines.vllm import VLLM_INFO_FILE, VLLM_INFO_FORMAT, VLLMEngine
 from hsx.cli import build_parser
 from hsx.config import Settings, parse_layer_list
-from hsx.extraction.server_watch import ServerWatch
+from hsx.extraction import server_watch
+from hsx.extraction.server_watch import PROBE_RETRY_FIRST_S, PROBE_RETRY_MOST_S, ServerWatch
 from hsx.identity import Identity
 from hsx.sources import AUTO
 from tests.support.procs import hsx_command
@@ -62,8 +63,10 @@ class FakeVLLM:
         self.asked: list[str] = []
         # What a completion does: "no_file" answers without naming a hidden-states file; "dies" kills the
         # engine (the answer as vLLM gives it, /health 503 from then on); "names_file" names a file that is never
-        # written, and the engine dies (the scheduler named it before the worker's copy failed).
+        # written, and the engine dies (the scheduler named it before the worker's copy failed); "elsewhere"
+        # writes the file and its lock into `elsewhere`, a folder other than the dump root, and names it there.
         self.completion = "no_file"
+        self.elsewhere = Path("/nonexistent")
         self.dead = False
         fake = self
 
@@ -113,6 +116,11 @@ class FakeVLLM:
         if self.completion == "names_file":
             self.dead = True
             answer["kv_transfer_params"] = {"hidden_states_path": str(self.root / f"cmpl-{rid}-0.safetensors")}
+        if self.completion == "elsewhere":
+            path = self.elsewhere / f"cmpl-{rid}-0-5f3a.safetensors"
+            path.write_bytes(b"\0" * 64)
+            path.with_name(path.name + ".lock").touch()
+            answer["kv_transfer_params"] = {"hidden_states_path": str(path)}
         return 200, answer
 
     def close(self) -> None:
@@ -292,8 +300,9 @@ def test_a_probe_that_finds_no_file_on_a_live_server_asks_about_the_layers_and_t
     engine = VLLMEngine.discover(look(s))
     assert engine is not None
     said = engine.probe()
-    assert said is not None and said.startswith("a probe request gave no usable hidden states (no_dump: ")
-    assert "--capture-layers (2,4,5,8)" in said and "shared_storage_path" in said
+    assert said is not None and said.cause == "no_dump"
+    assert said.reason.startswith("a probe request gave no usable hidden states (no_dump: ")
+    assert "--capture-layers (2,4,5,8)" in said.reason and "shared_storage_path" in said.reason
     s.close()
 
 
@@ -326,4 +335,60 @@ def test_an_engine_that_dies_at_the_probe_is_said_to_have_died_until_a_probe_get
     assert verdict is not None and verdict.reason is not None
     assert verdict.reason.startswith("model server not ready: GET ") and "ConnectError" in verdict.reason
     assert "(it went away at hsx's last probe: the model server stopped answering" in verdict.reason
+    s.close()
+
+
+def test_probes_into_another_folder_are_removed_and_sent_less_often_while_the_cause_stays(tmp_path, fake, monkeypatch):
+    """A writer whose dump root is not where the server writes: each probe's file and lock, left in the server's
+    folder, are removed once named; the reason says where the files went; the probe is sent again after 2 s,
+    then 4, 8, ... up to 120 s while it fails the same way, and at once after a restart or on a new cause."""
+    clock = [1000.0]
+    monkeypatch.setattr(server_watch.time, "monotonic", lambda: clock[0])
+    s = server(tmp_path, fake, [2, 4, 5, 8])
+    fake.elsewhere = tmp_path / "vllm-storage"
+    fake.elsewhere.mkdir()
+    fake.completion = "elsewhere"
+    settings = Settings(source="vllm", capture_layers="2,4,5,8", backend_url=fake.url, dump_root=s.root.path)
+    watch = ServerWatch(settings, s)
+
+    def probes() -> int:
+        return fake.asked.count("/v1/completions")
+
+    engine, verdict = watch.ensure()
+    assert engine is None and verdict is not None and verdict.state == "refusing" and probes() == 1
+    reason = verdict.reason or ""
+    assert (
+        f"the server writes its files to {fake.elsewhere}" in reason and "give hsx that folder as --dump-root" in reason
+    )
+    assert "hsx removed that file and its lock" in reason
+    assert list(fake.elsewhere.iterdir()) == [], "nothing of hsx's probe is left in the server's folder"
+    waits = []
+    wait = PROBE_RETRY_FIRST_S
+    while len(waits) < 8:
+        clock[0] += wait - 0.01
+        _, verdict = watch.ensure()
+        assert verdict is not None and verdict.state == "refusing" and verdict.reason == reason, "the last probe's"
+        sent = probes()
+        clock[0] += 0.01
+        _, verdict = watch.ensure()
+        assert probes() == sent + 1, f"the probe goes {wait} s after the last"
+        assert verdict is not None and verdict.reason is not None and "hsx removed that file" in verdict.reason
+        reason = verdict.reason
+        waits.append(wait)
+        wait = min(wait * 2, PROBE_RETRY_MOST_S)
+    assert waits == [2, 4, 8, 16, 32, 64, 120, 120]
+    assert list(fake.elsewhere.iterdir()) == []
+
+    fake.completion = "no_file"  # a new cause: the next probe, due now, starts the waits over
+    clock[0] += PROBE_RETRY_MOST_S
+    watch.ensure()
+    clock[0] += PROBE_RETRY_FIRST_S
+    sent = probes()
+    watch.ensure()
+    assert probes() == sent + 1
+
+    fake.metrics = METRICS.format(started="1.79637900000e+09")  # restarted: probed at once
+    sent = probes()
+    _, verdict = watch.ensure()
+    assert probes() == sent + 1 and verdict is not None and verdict.state == "refusing"
     s.close()

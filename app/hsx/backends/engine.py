@@ -163,6 +163,16 @@ class Look:
         return cast(Read, self._read[key])
 
 
+@dataclass(frozen=True)
+class ProbeRefused:
+    """Why a probe request gave no usable hidden states: `reason`, for people (it names the probe's own request
+    and file), and `cause`, the kind of failure (a DumpRejected code, or "refused"), the same each time the same
+    thing goes wrong: a writer probes less often while it stays the same."""
+
+    reason: str
+    cause: str
+
+
 class Engine(ABC):
     """One kind of model server and the way hsx takes hidden states from it, bound to what a look found."""
 
@@ -207,7 +217,7 @@ class Engine(ABC):
         timeout), for the writer to sweep once old enough."""
         return []
 
-    def probe(self) -> str | None:
+    def probe(self) -> ProbeRefused | None:
         """Send one small request the way samples go, before any sample is spent on this server (at start,
         after an outage, after a restart): None when it gave whole hidden states, else why not. A setup that
         refuses every request shows here, as the writer's reason to refuse, instead of as every sample
@@ -218,10 +228,15 @@ class Engine(ABC):
             self.extract(PROBE_IDS, rid=rid, staged_name=f"probe/{rid}", expect=expect)
         except BackendRejected as exc:
             self._raise_if_down(str(exc))
-            return f"the model server refuses hsx's requests ({exc}); nothing is sent until that is fixed"
+            return ProbeRefused(
+                f"the model server refuses hsx's requests ({exc}); nothing is sent until that is fixed", "refused"
+            )
         except DumpRejected as exc:
             self._raise_if_down(f"{exc.code}: {exc.reason}")
-            return f"a probe request gave no usable hidden states ({exc.code}: {exc.reason}){self.probe_hint()}"
+            return ProbeRefused(
+                f"a probe request gave no usable hidden states ({exc.code}: {exc.reason}){self.probe_hint()}",
+                exc.code,
+            )
         finally:
             shutil.rmtree(self.server.staging / "probe", ignore_errors=True)
         return None

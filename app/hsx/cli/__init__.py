@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hsx",
         description=(
             "Extract a language model's hidden states, sample by sample, from SGLang (the hsx-sglang plugin's "
-            "dumps or its answers) or vLLM (hsx's connector)."
+            "dumps or its answers) or vLLM (hsx's connector, or vLLM's own ExampleHiddenStatesConnector)."
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

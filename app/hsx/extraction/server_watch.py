@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsx.backends import discover
-from hsx.backends.engine import Capture, CaptureProblem, Engine, Limits, Server, ServerDown
+from hsx.backends.engine import Capture, CaptureProblem, Engine, Limits, ProbeRefused, Server, ServerDown
 from hsx.backends.final_norm import FinalNorm, NormUnavailable, load_final_norm
 from hsx.backends.http import BackendRejected, BackendUnavailable
 from hsx.config import Settings
@@ -26,6 +26,12 @@ from hsx.matching import Serves, model_key
 log = logging.getLogger("hsx.writer")
 
 SERVER_RECHECK_S = 60.0
+# A probe that keeps failing the same way is sent less and less often: each may leave a dump where hsx cannot
+# see it (a server writing to another folder than the dump root), and the same cause gives the same answer.
+# The first retry after PROBE_RETRY_FIRST_S, then each wait doubles, up to PROBE_RETRY_MOST_S; a new cause,
+# a restarted server or a probe that gets through starts over.
+PROBE_RETRY_FIRST_S = 2.0
+PROBE_RETRY_MOST_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,9 @@ class ServerWatch:
         self.final_norm_problem: str | None = None
         self.limits = Limits()  # what the server accepts, as last found ready
         self.backoff = Backoff()
+        self._refused: ProbeRefused | None = None  # the last probe's failure, until a probe gets through
+        self._probe_backoff = Backoff(PROBE_RETRY_FIRST_S, PROBE_RETRY_MOST_S)
+        self._probe_at = 0.0  # when the next probe may go, while _refused
         # The weakest proof of identity among the dumps taken from this server (hsx.identity), or
         # what the server says of its dumps before the first one is taken.
         self.identity: Identity | None = None
@@ -171,6 +180,9 @@ class ServerWatch:
         self.model_info = capture.model
         self.final_norm, self.final_norm_problem = _final_norm(capture)
         if probe_due:
+            if self._refused is not None and not restarted and time.monotonic() < self._probe_at:
+                self.engine = None
+                return ServerVerdict("refusing", self._refused.reason)
             try:
                 problem = engine.probe()
             except ServerDown as exc:
@@ -182,8 +194,11 @@ class ServerWatch:
                 return ServerVerdict("waiting", f"model server not ready: {exc}")
             if problem is not None:
                 self.engine = None
-                return ServerVerdict("refusing", problem)
+                self._probe_failed(problem)
+                return ServerVerdict("refusing", problem.reason)
             self._down = None
+            self._refused = None
+            self._probe_backoff.reset()
         self.engine = engine
         self.limits = self._limits(engine)
         self._outage = False
@@ -193,6 +208,14 @@ class ServerWatch:
             self.server.url, engine, self.identity, self.limits, self.final_norm, self.final_norm_problem
         )
         return ServerVerdict("ready", server=server)
+
+    def _probe_failed(self, problem: ProbeRefused) -> None:
+        if self._refused is None or self._refused.cause != problem.cause:
+            self._probe_backoff.reset()
+        wait = self._probe_backoff.next()
+        self._refused = problem
+        self._probe_at = time.monotonic() + wait
+        log.warning("probe refused (%s); the next probe in %g s unless the server restarts", problem.cause, wait)
 
     def _limits(self, engine: Engine) -> Limits:
         """What the server accepts, as its engine reads it; unknown when the server does not say."""

@@ -251,11 +251,39 @@ class VLLMEngine(Engine):
             )
         path = Path(named)
         if path.parent.resolve() != self.root:
-            raise DumpRejected("outside_root", f"the answer names {named}, which is not in the dump root {self.root}")
+            removed = "; hsx removed that file and its lock" if self._remove_elsewhere(path, rid) else ""
+            raise DumpRejected(
+                "outside_root",
+                f"the answer names {named}, which is not in the dump root {self.root}: the server writes its files "
+                f"to {path.parent} (its connector's shared_storage_path); give hsx that folder as --dump-root, or "
+                f"the server this one{removed}",
+            )
         # vLLM names a request's file cmpl-<X-Request-Id>-<prompt index>[-<random suffix>].safetensors
         if not (path.name.startswith(f"cmpl-{rid}-") and path.suffix == ".safetensors"):
             raise DumpRejected("not_ours", f"the answer names {path.name}, not a file of request {rid}")
         return path
+
+    def _remove_elsewhere(self, path: Path, rid: str) -> bool:
+        """Remove a file of hsx's own request `rid` (and its lock) that the server wrote outside the dump root,
+        once its writer is done with it: nobody else reads it, and a writer pointed at the wrong root would
+        otherwise leave one with every probe in the server's storage (often /dev/shm). Whether it removed one."""
+        if not (path.name.startswith(f"cmpl-{rid}-") and path.suffix == ".safetensors"):
+            return False  # not named for hsx's request: not hsx's to remove
+        try:
+            with shared_lock(path, self.server.dump_wait_s):
+                pass
+        except DumpRejected:
+            pass  # never written, or its writer still busy after the wait: removed as far as it is there
+        removed = False
+        for leftover in (path, lock_path(path)):
+            try:
+                leftover.unlink()
+                removed = True
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return removed  # not hsx's to remove after all (a read-only place, another user's)
+        return removed
 
     def _stage(self, path: Path, input_ids: list[int], rid: str, dest: Path, expect: Expectation) -> Dump:
         rows, dtype = read_rows(path, input_ids, self.layers)
