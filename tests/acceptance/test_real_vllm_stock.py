@@ -117,6 +117,8 @@ def test_a_job_stores_every_sample_from_the_stock_files(tmp_path, server, model)
         said = svc.get("/healthz").json()["writer"]["server"]
         assert said["source"] == "vllm" and said["identity"] == "ids" and said["layers"] == LAYERS
         assert said["layers_from"].startswith("--capture-layers") and said["boot_id"].startswith("vllm-started-")
+        assert said["layers_unverified"].startswith(f"--capture-layers {CAPTURE} is the operator's word")
+        assert "not verified: --capture-layers" in svc.proc.log(), "said at start too"
         assert not (server.storage / "hsx-vllm.json").exists(), "the stock files come with nothing of hsx's"
         assert not list(server.storage.glob("cmpl-*")), "each file and its lock removed once staged"
     finally:

@@ -271,6 +271,7 @@ def test_hsx_vllm_json_wins_and_a_flag_that_disagrees_is_refused(tmp_path, fake)
     s = server(tmp_path, fake, [2, 4, 5, 8])
     engine = VLLMEngine.discover(look(s))
     assert engine is not None and engine.capture.boot_id == "b1" and engine.capture.dtype == "float32"
+    assert engine.capture.layers_unverified is None, "hsx's connector says its layers"
     assert engine.capture.boot_id == "b1", "the connector's boot id, not the start time"
     s.close()
 
@@ -299,6 +300,11 @@ def test_a_probe_that_finds_no_file_on_a_live_server_asks_about_the_layers_and_t
     s = server(tmp_path, fake, [2, 4, 5, 8])
     engine = VLLMEngine.discover(look(s))
     assert engine is not None
+    unverified = engine.capture.layers_unverified or ""
+    assert (
+        unverified.startswith("--capture-layers 2,4,5,8 is the operator's word")
+        and "checks only their count" in unverified
+    )
     said = engine.probe()
     assert said is not None and said.cause == "no_dump"
     assert said.reason.startswith("a probe request gave no usable hidden states (no_dump: ")

@@ -101,6 +101,9 @@ class Capture:
     layers: list[int] | None  # the layers the server gives; None: not said (a job's own list is trusted)
     model: dict[str, Any]  # the model as a manifest records it (hsx.manifest.MODEL_KEYS, final_layer)
     layers_from: str  # where the layers come from, for /healthz and refusals
+    # Why the layers are someone's word that hsx cannot check against the server, where they are (said at start
+    # and in /healthz); None where the server itself says which layers its dumps hold.
+    layers_unverified: str | None = None
     name_by: str | None = None  # how the server names its dumps in the root ("counter" or "rid"), where it does
     rid_prefix: str = DEFAULT_RID_PREFIX  # every request id hsx sends starts with it
     boot_id: str | None = None

@@ -174,6 +174,10 @@ class ServerWatch:
             was = before.capture.boot_id if before is not None else None
             log.warning("model server restarted (boot id %s -> %s); settings re-read", was, capture.boot_id)
         probe_due = self.engine is None or restarted
+        if capture.layers_unverified and (
+            before is None or before.capture.layers_unverified != capture.layers_unverified
+        ):
+            log.warning("layers %s, not verified: %s", capture.layers, capture.layers_unverified)
         self._last = engine
         self.layers = capture.layers
         self.proved(capture.identity, said=True)
@@ -259,6 +263,7 @@ def server_report(
         "model_key": model_key(capture.model),
         "layers": capture.layers,
         "layers_from": capture.layers_from,
+        "layers_unverified": capture.layers_unverified,
         "identity": identity,
         # The named layer sets it gives (jobs asking for one match on it), conversion included, which side of
         # the final norm its layer L lies, and what to change when it gives less than EAGLE-3's layers.

@@ -142,6 +142,11 @@ def stock_capture(layers: list[int], card: dict[str, Any], started_at: float | N
         layers=layers,
         model={**describe_model({"model_path": model_path}, {}), "final_layer": "pre_norm"},
         layers_from="--capture-layers (vLLM's own connector says nothing of its layers)",
+        layers_unverified=(
+            f"--capture-layers {','.join(map(str, layers))} is the operator's word: vLLM's own connector's files do "
+            "not say which layers they hold, so hsx checks only their count; a wrong list of the right length "
+            "stores other layers under these numbers"
+        ),
         hidden_size=hidden,
         # The files say their dtype; the server does not say it before (its --dtype may differ from the
         # checkpoint's), so each file's is checked against the job's.
