@@ -13,6 +13,7 @@ import random
 import subprocess
 import time
 
+import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -228,6 +229,28 @@ def test_regenerated_answers_are_the_models_own_ids_and_their_hidden_states_are_
             truth = recompute(ids)
             for layer in manifest.layers or []:
                 assert torch.equal(stored[f"layer_{layer}"], truth[layer])
+    finally:
+        svc.stop()
+        ref.stop()
+
+
+def test_a_server_outage_while_answers_are_regenerated_spends_nothing(tmp_path, chat_model):
+    """The server answers 503 for a few seconds just as regeneration starts: the conversations are given back
+    unspent, as a sample's request is, and regenerated once the server is back; none fails."""
+    conversations = [{"id": f"o{i}", "messages": as_messages(c["conversations"])} for i, c in enumerate(sharegpt(4, 3))]
+    ref = start_reference(tmp_path, chat_model, extra=["--enable-fault-injection"])
+    svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=ref.url, dump_root=ref.dump_root)
+    try:
+        httpx.post(f"{ref.url}/admin/faults", json={"unavailable": {"seconds": 4}}).raise_for_status()
+        resp = svc.post_job({"name": "outage", "samples": conversations, "regenerate": {"max_new_tokens": 5}})
+        assert resp.status_code == 202, resp.text
+        job = svc.wait_job(resp.json()["id"])
+        assert job["state"] == "succeeded", job
+        samples = svc.get(f"/v1/jobs/{job['id']}/samples").json()["data"]
+        assert len(samples) == len(conversations), samples
+        assert all(s["state"] == "succeeded" and s["attempts"] == 1 for s in samples), samples
+        log = svc.proc.log()
+        assert "model server unavailable (POST /generate: HTTP 503); given back" in log, "the outage was met"
     finally:
         svc.stop()
         ref.stop()

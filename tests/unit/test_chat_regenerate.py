@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 
+from hsx.backends.http import BackendUnavailable
 from hsx.chat import ChatTemplate, RegenerationError, Sampling, TemplateRenderer, regenerate
 from hsx.chat.regenerate import cut_at_stop
 from tests.support import chat
@@ -113,12 +114,27 @@ def test_generation_stops_once_the_sample_is_over_the_limit(template):
         (httpx.Response(200, json={"output_ids": [1, "2"]}), "without a list of output_ids"),
         (httpx.Response(200, json=[{"output_ids": [1]}]), "without a list of output_ids"),
         (httpx.Response(200, text="<html>"), "a body that is not JSON"),
-        (httpx.Response(503, json={"error": {"message": "busy"}}), "/generate answered 503: .*busy"),
+        (httpx.Response(400, json={"error": {"message": "bad"}}), "/generate answered 400: .*bad"),
     ],
 )
 def test_an_answer_without_generated_ids_is_a_regeneration_error(template, response, message):
     with pytest.raises(RegenerationError, match=message):
         run_against(lambda body: response, template)
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_a_server_not_ready_is_unavailable_not_the_conversations_error(template, status):
+    """As for a sample's request (hsx.backends.http): the preparer gives the conversation back unspent."""
+    with pytest.raises(BackendUnavailable, match=f"POST /generate: HTTP {status}"):
+        run_against(lambda body: httpx.Response(status, json={"error": {"message": "busy"}}), template)
+
+
+def test_a_server_that_cannot_be_reached_is_unavailable(template):
+    def refuse(body):
+        raise httpx.ConnectError("connection refused")
+
+    with pytest.raises(BackendUnavailable, match="POST /generate: ConnectError: connection refused"):
+        run_against(refuse, template)
 
 
 def test_cut_at_stop():

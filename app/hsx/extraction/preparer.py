@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from hsx.backends.http import BackendUnavailable
 from hsx.chat.formats import ConversationError, Message
 from hsx.chat.process import RenderedIds, RenderFailed, TemplateFacts, TemplateProcess
 from hsx.chat.regenerate import RegenerationError, Sampling, regenerate
@@ -351,7 +352,13 @@ class Preparer:
             return _invalid(item.pk, exc, options)
         except ChatTemplateError as exc:
             return repo.Prepared(item.pk, SampleState.FAILED, reason=f"tokenizer: {exc}")
-        except (RegenerationError, httpx.HTTPError, ValueError, KeyError) as exc:
+        except BackendUnavailable as exc:
+            # The server's outage, not the conversation's: given back unspent, as a sample's request is, and
+            # nothing is generated until the request loops find the server ready again.
+            log.warning("regenerating %s: model server unavailable (%s); given back", item.pk, exc)
+            self.server.lost()
+            return None
+        except (RegenerationError, ValueError, KeyError) as exc:
             return repo.Prepared(item.pk, SampleState.FAILED, reason=f"regenerate: {type(exc).__name__}: {exc}")
         # Generation, and the template's pieces, stop once the sample is over the limit: its count is a floor.
         rendered = RenderedIds(new.input_ids, new.loss_mask, whole=limit is None or len(new.input_ids) <= limit)
