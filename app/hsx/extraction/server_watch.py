@@ -182,7 +182,10 @@ class ServerWatch:
         self.layers = capture.layers
         self.proved(capture.identity, said=True)
         self.model_info = capture.model
+        said_before = self.final_norm_problem
         self.final_norm, self.final_norm_problem = _final_norm(capture)
+        if self.final_norm_problem and self.final_norm_problem != said_before:  # once, not at every check
+            log.warning("layer L comes before the final norm, and hsx cannot apply it: %s", self.final_norm_problem)
         if probe_due:
             if self._refused is not None and not restarted and time.monotonic() < self._probe_at:
                 self.engine = None
@@ -238,7 +241,6 @@ def _final_norm(capture: Capture) -> tuple[FinalNorm | None, str | None]:
     try:
         return load_final_norm(model), None
     except NormUnavailable as exc:
-        log.warning("layer L comes before the final norm, and hsx cannot apply it: %s", exc)
         return None, str(exc)
 
 
