@@ -20,6 +20,7 @@ from typing import Literal
 
 # A layer number as a list writes it: decimal digits, nothing else.
 _NUMBER = re.compile(r"[0-9]+")
+_SET_NAME = re.compile(r"[a-z][a-z0-9_]*")  # how every layer set is named (LAYER_SETS, any)
 
 
 def layer_key(layer: int) -> str:
@@ -260,11 +261,18 @@ def _check_names(names: list[str]) -> list[str]:
 
 def parse_choice_text(text: str) -> list[int] | str:
     """A job's layers as a command line or a query string gives them: a set's name, or comma-separated sets
-    and layer ids ("eagle3,dflash", "2,4,5,8", "eagle3,7")."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if len(parts) == 1 and not parts[0].lstrip("-").isdigit():
+    and layer ids ("eagle3,dflash", "2,4,5,8", "eagle3,7"). As strict as a JSON body: an empty item, a blank
+    or a sign is an error (parse_layers), never dropped."""
+    parts = text.split(",")
+    bad = next((part for part in parts if not (_NUMBER.fullmatch(part) or _SET_NAME.fullmatch(part))), None)
+    if bad is not None:
+        what = "an empty item" if not bad.strip() else f"{bad!r}, which is not a layer number or a set's name"
+        raise ValueError(
+            f"{text!r} is not comma-separated layer sets or numbers such as eagle3 or 2,4,5,8: it has {what}"
+        )
+    if len(parts) == 1 and not _NUMBER.fullmatch(parts[0]):
         return parse_choice(parts[0])
-    return parse_choice([int(p) if p.lstrip("-").isdigit() else p for p in parts])
+    return parse_choice([int(p) if _NUMBER.fullmatch(p) else p for p in parts])
 
 
 def choice_parts(choice: list[int] | str) -> tuple[list[str], list[int]]:

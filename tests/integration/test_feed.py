@@ -153,6 +153,19 @@ def test_an_acknowledgement_that_does_not_fit_is_refused(stack, api):
     problem(api.post(url, json={"name": ""}), 422)
 
 
+def test_an_acknowledgement_in_a_later_epoch_counts_every_shard_read(stack, api):
+    """Epoch 2 onwards a rank has read the whole feed once: its position compares past every shard's number,
+    on either database (a sentinel wider than the column's type was refused by Postgres)."""
+    job_id = create(api, PER_SHARD, consumers=["a"])
+    stack.start()
+    stack.extract(PER_SHARD)
+    stack.finished(job_id)
+    for epoch, epochs in ((2, 3), (2855, 2855)):
+        a = api.post(f"/v1/jobs/{job_id}/consumers/a/acks", json={"epoch": epoch, "epochs": epochs, "seq": 0})
+        assert a.status_code == 200, a.text
+        assert (a.json()["read_seq"], a.json()["lag_shards"]) == (1, 0)
+
+
 def test_max_unread_bytes_holds_extraction_back_until_the_consumers_read(stack, api):
     limit = 2 * PER_SHARD * SAMPLE_BYTES
     job_id = create(api, 6 * PER_SHARD, consumers=["slow"], max_unread_bytes=limit)

@@ -54,7 +54,10 @@ def test_a_choice_from_a_command_line():
     assert parse_choice_text("eagle3,dflash") == "eagle3+dflash"
     assert parse_choice_text("2,4,5,8") == [2, 4, 5, 8]
     assert parse_choice_text("dflash") == "dflash"
-    assert parse_choice_text("eagle3, 7") == "eagle3+7"
+    assert parse_choice_text("eagle3,7") == "eagle3+7"
+    for lax in ("eagle3, 7", "eagle3,,dflash", "eagle3,", "+2,4"):  # as strict as a JSON body: never dropped
+        with pytest.raises(ValueError, match=r"it has (an empty item|'.*', which is not a layer number)"):
+            parse_choice_text(lax)
 
 
 @pytest.mark.parametrize(

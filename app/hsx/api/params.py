@@ -116,7 +116,9 @@ def ndjson_options(
     consumers: Annotated[
         str | None,
         Query(
-            max_length=MAX_CONSUMERS * (MAX_LENGTH + 1), description="comma-separated consumer names (see JobCreate)"
+            max_length=MAX_CONSUMERS * (MAX_LENGTH + 1),
+            description="comma-separated consumer names (see JobCreate)",
+            json_schema_extra={"pattern": PATTERN},
         ),
     ] = None,
     retention: Annotated[Retention, Query(description="keep, or acked: delete what every consumer read")] = "keep",

@@ -26,8 +26,9 @@ from hsx.db.models import ConsumerAckRow, ConsumerRow, JobRow, SampleRow, ShardR
 from hsx.db.repository._base import utcnow
 from hsx.names import could_be_stored
 
-# Far past any sequence number: "everything" in a comparison.
-ALL = 2**62
+# Past any sequence number, "everything" in a comparison, and within the column's type (a 4-byte integer:
+# Postgres refuses a wider parameter); no job records this many shards (AckIn.seq's bound too).
+ALL = 2**31 - 1
 
 
 def next_seq(session: Session, job_id: str, nbytes: int) -> int:
