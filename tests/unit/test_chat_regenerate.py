@@ -10,9 +10,8 @@ import json
 import httpx
 import pytest
 
-from hsx.backends.http import BackendUnavailable
 from hsx.chat import ChatTemplate, RegenerationError, Sampling, TemplateRenderer, regenerate
-from hsx.chat.regenerate import cut_at_stop
+from hsx.chat.regenerate import GenerationUnavailable, cut_at_stop
 from tests.support import chat
 
 pytest.importorskip("transformers")
@@ -125,7 +124,7 @@ def test_an_answer_without_generated_ids_is_a_regeneration_error(template, respo
 @pytest.mark.parametrize("status", [502, 503, 504])
 def test_a_server_not_ready_is_unavailable_not_the_conversations_error(template, status):
     """As for a sample's request (hsx.backends.http): the preparer gives the conversation back unspent."""
-    with pytest.raises(BackendUnavailable, match=f"POST /generate: HTTP {status}"):
+    with pytest.raises(GenerationUnavailable, match=f"POST /generate: HTTP {status}"):
         run_against(lambda body: httpx.Response(status, json={"error": {"message": "busy"}}), template)
 
 
@@ -133,7 +132,7 @@ def test_a_server_that_cannot_be_reached_is_unavailable(template):
     def refuse(body):
         raise httpx.ConnectError("connection refused")
 
-    with pytest.raises(BackendUnavailable, match="POST /generate: ConnectError: connection refused"):
+    with pytest.raises(GenerationUnavailable, match="POST /generate: ConnectError: connection refused"):
         run_against(refuse, template)
 
 

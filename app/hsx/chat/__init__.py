@@ -5,13 +5,21 @@ generated anew by a model server (regenerate).
 transformers is imported only when a template is loaded (`pip install 'hsx-server[chat]'`)."""
 
 from hsx.chat.formats import ConversationError, Message, conversation_of
-from hsx.chat.regenerate import Regenerated, RegenerationError, Sampling, TemplateRenderer, regenerate
+from hsx.chat.regenerate import (
+    GenerationUnavailable,
+    Regenerated,
+    RegenerationError,
+    Sampling,
+    TemplateRenderer,
+    regenerate,
+)
 from hsx.chat.render import ChatTemplate, ChatTemplateError, LossPolicy, Rendered, render_many
 
 __all__ = [
     "ChatTemplate",
     "ChatTemplateError",
     "ConversationError",
+    "GenerationUnavailable",
     "LossPolicy",
     "Message",
     "Regenerated",

@@ -25,7 +25,6 @@ from typing import Any, Literal, Protocol
 import httpx
 import numpy as np
 
-from hsx.backends.http import BackendUnavailable
 from hsx.chat.formats import Message
 from hsx.chat.render import ChatTemplate
 
@@ -54,6 +53,11 @@ class Sampling:
 
 class RegenerationError(Exception):
     """The model server refused a generation or answered without generated ids."""
+
+
+class GenerationUnavailable(Exception):
+    """The model server cannot be reached or is not ready (hsx.backends.http's BackendUnavailable for a
+    generation): nothing about the conversation is wrong."""
 
 
 class Renderer(Protocol):
@@ -108,8 +112,8 @@ async def regenerate(
     once the sample is longer than that (it is cut, skipped or refused then, by the job's length policy:
     the turns after are not worth generating), the turns it did not reach are left out, and a template
     piece that takes the sample past the limit is tokenized only that far (ChatTemplate.continuation). Raises
-    RegenerationError, ConversationError (a conversation the template refuses) or BackendUnavailable (the
-    server unreachable or not ready: nothing about the conversation is wrong)."""
+    RegenerationError, ConversationError (a conversation the template refuses) or GenerationUnavailable (the
+    server unreachable or not ready)."""
     out: list[Message] = []
     ids: list[int] = []
     mask: list[int] = []
@@ -157,15 +161,15 @@ async def generate_ids(
     client: httpx.AsyncClient, prompt: list[int], sampling: Sampling, stop_ids: list[int]
 ) -> list[int]:
     """One `/generate` of `prompt`: the ids the server generated, cut after the first stop id. The server's
-    outage is BackendUnavailable, as for a sample's request (hsx.backends.http): unreachable, gone mid-answer,
-    timed out, or 502/503/504."""
+    outage is GenerationUnavailable, sorted as a sample's request's is (hsx.backends.http): unreachable, gone
+    mid-answer, timed out, or 502/503/504."""
     body = {"input_ids": prompt, "sampling_params": sampling.params(stop_ids)}
     try:
         response = await client.post("/generate", json=body)
     except httpx.HTTPError as exc:
-        raise BackendUnavailable(f"POST /generate: {type(exc).__name__}: {exc}") from exc
+        raise GenerationUnavailable(f"POST /generate: {type(exc).__name__}: {exc}") from exc
     if response.status_code in (502, 503, 504):
-        raise BackendUnavailable(f"POST /generate: HTTP {response.status_code}")
+        raise GenerationUnavailable(f"POST /generate: HTTP {response.status_code}")
     if response.status_code != 200:
         raise RegenerationError(f"/generate answered {response.status_code}: {response.text[:500]}")
     try:

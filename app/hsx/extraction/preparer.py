@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from hsx.backends.http import BackendUnavailable
 from hsx.chat.formats import ConversationError, Message
 from hsx.chat.process import RenderedIds, RenderFailed, TemplateFacts, TemplateProcess
-from hsx.chat.regenerate import RegenerationError, Sampling, regenerate
+from hsx.chat.regenerate import GenerationUnavailable, RegenerationError, Sampling, regenerate
 from hsx.chat.render import ChatTemplateError
 from hsx.config import Settings, tokenizer_within_roots
 from hsx.db import repository as repo
@@ -352,7 +351,7 @@ class Preparer:
             return _invalid(item.pk, exc, options)
         except ChatTemplateError as exc:
             return repo.Prepared(item.pk, SampleState.FAILED, reason=f"tokenizer: {exc}")
-        except BackendUnavailable as exc:
+        except GenerationUnavailable as exc:
             # The server's outage, not the conversation's: given back unspent, as a sample's request is, and
             # nothing is generated until the request loops find the server ready again.
             log.warning("regenerating %s: model server unavailable (%s); given back", item.pk, exc)
