@@ -240,17 +240,23 @@ def test_a_server_outage_while_answers_are_regenerated_spends_nothing(tmp_path, 
     conversations = [{"id": f"o{i}", "messages": as_messages(c["conversations"])} for i, c in enumerate(sharegpt(4, 3))]
     ref = start_reference(tmp_path, chat_model, extra=["--enable-fault-injection"])
     svc = start_service(tmp_path, f"sqlite:///{tmp_path / 'hsx.db'}", backend_url=ref.url, dump_root=ref.dump_root)
+    met = "model server unavailable (POST /generate: HTTP 503); given back"
     try:
-        httpx.post(f"{ref.url}/admin/faults", json={"unavailable": {"seconds": 4}}).raise_for_status()
+        httpx.post(f"{ref.url}/admin/faults", json={"unavailable": {"seconds": 300}}).raise_for_status()
         resp = svc.post_job({"name": "outage", "samples": conversations, "regenerate": {"max_new_tokens": 5}})
         assert resp.status_code == 202, resp.text
+        deadline = time.monotonic() + 120
+        while met not in svc.proc.log():  # the preparer has met the outage (its template process started first)
+            assert time.monotonic() < deadline, "regeneration never met the outage"
+            time.sleep(0.2)
+        waiting = svc.get(f"/v1/jobs/{resp.json()['id']}").json()
+        assert waiting["counts"]["failed"] == 0 and waiting["counts"]["preparing"] == len(conversations), waiting
+        httpx.delete(f"{ref.url}/admin/faults").raise_for_status()  # the server is back
         job = svc.wait_job(resp.json()["id"])
         assert job["state"] == "succeeded", job
         samples = svc.get(f"/v1/jobs/{job['id']}/samples").json()["data"]
         assert len(samples) == len(conversations), samples
         assert all(s["state"] == "succeeded" and s["attempts"] == 1 for s in samples), samples
-        log = svc.proc.log()
-        assert "model server unavailable (POST /generate: HTTP 503); given back" in log, "the outage was met"
     finally:
         svc.stop()
         ref.stop()
