@@ -222,7 +222,8 @@ class ServerWatch:
         wait = self._probe_backoff.next()
         self._refused = problem
         self._probe_at = time.monotonic() + wait
-        log.warning("probe refused (%s); the next probe in %g s unless the server restarts", problem.cause, wait)
+        # The writer warns of the refusal itself (its state and reason); this only says when it looks again.
+        log.info("probe refused (%s); the next probe in %g s unless the server restarts", problem.cause, wait)
 
     def _limits(self, engine: Engine) -> Limits:
         """What the server accepts, as its engine reads it; unknown when the server does not say."""
