@@ -23,7 +23,7 @@ if str(PLUGIN_SOURCE) not in sys.path:
 from hsx.db.engine import make_engine, session_factory, upgrade  # noqa: E402
 from tests.support.sglang.wheels import SUPPORTED_SGLANG, sglang_wheel  # noqa: E402
 
-# What a plain `pytest` leaves out (the one-minute loop); `pytest --all` runs them too, and so does CI.
+# What a plain `pytest` leaves out (the fast loop); `pytest --all` runs them too, and so does CI.
 OUTER_TIERS = ("acceptance", "postgres", "slow")
 
 
