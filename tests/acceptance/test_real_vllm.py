@@ -118,7 +118,11 @@ def test_the_default_job_reads_layer_l_after_the_final_norm_hsx_applies(tmp_path
     (SGLang's post-norm L, within 1e-5 of it in the plugin's tests) within 1e-4."""
     svc = service(tmp_path, server, "--max-in-flight", "4")
     try:
-        server_said = svc.get("/healthz").json()["writer"]["server"]
+        deadline = time.monotonic() + 120
+        while (writer := svc.get("/healthz").json()["writer"])["state"] != "ready":  # its probe first
+            assert time.monotonic() < deadline, writer
+            time.sleep(0.2)
+        server_said = writer["server"]
         assert {"eagle3", "eagle3_pre_norm"} <= set(server_said["layer_sets"]), server_said
         assert server_said["final_norm"]["sha256"] == norm_weight_sha256(model[0])
         samples = items(12, seed=6)
